@@ -1,0 +1,85 @@
+#pragma once
+
+// One torch_ext backward()/grad() call: the plan, the ready queue and the
+// results. It lives for the duration of the call only, so nested calls (a
+// backward inside a node, reentrant checkpoint) and calls from other threads
+// never share state.
+
+#include "graph_plan.h"
+#include "scheduler.h"
+
+#include <c10/core/Stream.h>
+
+#include <optional>
+#include <string>
+#include <unordered_set>
+
+namespace torch_ext {
+
+struct CallOptions {
+  bool keep_graph = false;
+  bool create_graph = false;
+  // backward() (true) writes .grad through AccumulateGrad; grad() (false)
+  // captures the gradients of `inputs` and returns them.
+  bool accumulate_grad = true;
+};
+
+// A buffer for the gradients arriving at `fn` (node_executor.cpp).
+InputBuffer make_input_buffer(Node& fn);
+
+class BackwardCall {
+ public:
+  BackwardCall(
+      edge_list roots,
+      variable_list root_grads,
+      edge_list inputs,
+      CallOptions options);
+
+  // Discovers the graph and runs every node that must run, on the calling
+  // thread. Must be called inside a stock graph task (the host task).
+  void run();
+
+  // grad(): the captured gradient of each input, undefined where none arrived.
+  variable_list take_captured() {
+    return std::move(captured_);
+  }
+
+  // The node whose error is propagating out of run(), if any; the host task
+  // reports it in anomaly mode in place of the driver.
+  Node* failed_node() const {
+    return failed_node_;
+  }
+
+ private:
+  // Registers the plan with the host graph task so the parts of PyTorch that
+  // read it (task_should_compute_output, _will_engine_execute_node,
+  // register_multi_grad_hook) see the real graph.
+  void publish_plan_to_host_task();
+  void seed_roots();
+  // Executes one ready node (node_executor.cpp).
+  void execute_node(int32_t slot);
+  // Adds `grad` to input `input_nr` of `target`, making it ready if that was
+  // its last pending edge.
+  void deliver(
+      int32_t target,
+      uint32_t input_nr,
+      at::Tensor&& grad,
+      const std::optional<c10::Stream>& producer_stream);
+  void sync_leaf_streams_with_caller();
+
+  edge_list roots_;
+  variable_list root_grads_;
+  edge_list inputs_;
+  CallOptions options_;
+
+  GraphPlan plan_;
+  ReadyQueue ready_;
+  variable_list captured_;
+  // Streams that produced results the caller will read (.grad, captures);
+  // the caller's streams wait on them before run() returns.
+  std::unordered_set<c10::Stream> leaf_streams_;
+  std::vector<c10::Stream> caller_streams_;
+  Node* failed_node_ = nullptr;
+};
+
+} // namespace torch_ext

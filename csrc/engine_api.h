@@ -1,0 +1,42 @@
+#pragma once
+
+// The engine's entry point, shared by the torch.library op registrations
+// (ops.cpp) and the Python bindings (python_bindings.cpp).
+
+#include "backward_call.h"
+
+namespace torch_ext {
+
+// Runs backward from `roots` (seeded with `root_grads`) on torch_ext's engine,
+// inside one stock graph task, on the calling thread; the caller must not hold
+// the GIL. Semantics are those of torch::autograd::Engine::execute: with
+// `inputs` empty, every reachable node runs; otherwise only nodes on a path to
+// an input run, and grad() (accumulate_grad false) returns the gradient of
+// each input, undefined where none arrived.
+variable_list run_backward(
+    const edge_list& roots,
+    variable_list root_grads,
+    const edge_list& inputs,
+    CallOptions options);
+
+// Anomaly mode reports the failing node's forward stack. The stack lives in
+// Python (PyAnomalyMetadata); the bindings install a copier so this C++ core
+// needs no Python headers.
+using AnomalyMetadataCopier = void (*)(Node& from, Node& to);
+void set_anomaly_metadata_copier(AnomalyMetadataCopier copier);
+
+} // namespace torch_ext
+
+namespace torch_ext {
+
+// The edge backward starts from for root tensor `index` of a call, with
+// stock's error when it has none.
+Edge root_edge(const at::Tensor& root, size_t index);
+
+// The edge whose gradient grad()/backward(inputs=) is asked for, as stock's
+// run_backward resolves a tensor input: its grad_fn, or its AccumulateGrad if
+// it is a leaf, or an edge to a fresh node when it has neither (unreachable).
+// backward(inputs=) also retains the gradient of a non-leaf input.
+Edge input_edge(const at::Tensor& input, bool accumulate_grad);
+
+} // namespace torch_ext

@@ -1,0 +1,224 @@
+// Discovery: roots -> the dense GraphPlan the executor runs.
+//
+// Mirrors stock Engine::compute_dependencies (dependency counts, duplicate
+// edges counted, min_topo_nr pruning) and GraphTask::init_to_execute (which
+// nodes must run for grad() / backward(inputs=)), over slot indices instead of
+// Node* hash maps.
+
+#include "graph_plan.h"
+
+#include <algorithm>
+#include <limits>
+#include <unordered_set>
+
+namespace torch_ext {
+namespace {
+
+uint64_t min_topological_nr(const edge_list& inputs) {
+  if (inputs.empty()) {
+    return 0;
+  }
+  uint64_t min_topo_nr = std::numeric_limits<uint64_t>::max();
+  for (const auto& edge : inputs) {
+    min_topo_nr = std::min(min_topo_nr, edge.function->topological_nr());
+  }
+  return min_topo_nr;
+}
+
+class PlanBuilder {
+ public:
+  PlanBuilder(GraphPlan& plan, std::unordered_set<Node*>* nodes_in_graph)
+      : plan_(plan), nodes_in_graph_(nodes_in_graph) {}
+
+  // Slot of `fn`, created on first sight. Every call is one edge into `fn`.
+  int32_t add_edge_to(Node* fn) {
+    auto [it, inserted] =
+        slot_of_.try_emplace(fn, static_cast<int32_t>(plan_.slots.size()));
+    if (inserted) {
+      plan_.slots.emplace_back();
+      plan_.slots.back().fn = fn;
+      expand_stack_.push_back(it->second);
+      if (nodes_in_graph_ != nullptr) {
+        nodes_in_graph_->insert(fn);
+      }
+    }
+    plan_.slots[it->second].pending_edges += 1;
+    return it->second;
+  }
+
+  // The single-root case: stock makes the root node the graph root itself, so
+  // it has no incoming edge and is not recorded in nodes_in_graph_.
+  int32_t add_single_root(Node* fn) {
+    const auto slot = static_cast<int32_t>(plan_.slots.size());
+    slot_of_.emplace(fn, slot);
+    plan_.slots.emplace_back();
+    plan_.slots.back().fn = fn;
+    expand_stack_.push_back(slot);
+    return slot;
+  }
+
+  void expand_all(uint64_t min_topo_nr) {
+    // Depth-first, like stock: the order is not observable, only the counts.
+    while (!expand_stack_.empty()) {
+      const int32_t slot = expand_stack_.back();
+      expand_stack_.pop_back();
+      Node* fn = plan_.slots[slot].fn;
+      if (fn->topological_nr() < min_topo_nr) {
+        // Created before every input: no path to one, so it never runs and
+        // its edges are never followed.
+        continue;
+      }
+      const auto& next_edges = fn->next_edges();
+      plan_.slots[slot].first_edge =
+          static_cast<uint32_t>(plan_.edge_targets.size());
+      plan_.slots[slot].expanded = true;
+      plan_.edge_targets.resize(plan_.edge_targets.size() + next_edges.size());
+      for (size_t i = 0; i < next_edges.size(); ++i) {
+        Node* next = next_edges[i].function.get();
+        // add_edge_to may grow slots; read first_edge again after it.
+        const int32_t target = next ? add_edge_to(next) : kNoSlot;
+        plan_.edge_targets[plan_.slots[slot].first_edge + i] = target;
+      }
+    }
+  }
+
+  int32_t slot_of(Node* fn) const {
+    auto it = slot_of_.find(fn);
+    return it == slot_of_.end() ? kNoSlot : it->second;
+  }
+
+ private:
+  GraphPlan& plan_;
+  std::unordered_set<Node*>* nodes_in_graph_;
+  std::unordered_map<Node*, int32_t> slot_of_;
+  std::vector<int32_t> expand_stack_;
+};
+
+// Stock GraphTask::init_to_execute over slots: a node is needed when a path
+// leads from it to an input. `root` is the single root's slot, or kNoSlot for
+// the virtual root that holds several root edges.
+void mark_needed(GraphPlan& plan, int32_t single_root, uint64_t min_topo_nr) {
+  struct Frame {
+    int32_t slot; // kNoSlot: the virtual root
+    size_t next_edge = 0;
+  };
+  auto edge_count = [&](int32_t slot) -> size_t {
+    if (slot == kNoSlot) {
+      return plan.root_targets.size();
+    }
+    const NodeSlot& node = plan.slots[slot];
+    return node.expanded ? node.fn->next_edges().size() : 0;
+  };
+  auto edge_target = [&](int32_t slot, size_t i) -> int32_t {
+    return slot == kNoSlot ? plan.root_targets[i] : plan.target_of(slot, i);
+  };
+  bool virtual_root_needed = false;
+  auto mark = [&](int32_t slot) {
+    if (slot == kNoSlot) {
+      virtual_root_needed = true;
+    } else {
+      plan.slots[slot].needed = true;
+    }
+  };
+
+  std::vector<char> seen(plan.slots.size(), 0);
+  std::vector<Frame> stack;
+  stack.push_back({single_root});
+  while (!stack.empty()) {
+    Frame& frame = stack.back();
+    const int32_t slot = frame.slot;
+    int32_t child = kNoSlot;
+    const size_t num_edges = edge_count(slot);
+    while (frame.next_edge < num_edges) {
+      const int32_t candidate = edge_target(slot, frame.next_edge++);
+      if (candidate == kNoSlot) {
+        continue;
+      }
+      if (!seen[candidate]) {
+        seen[candidate] = 1;
+        child = candidate;
+        break;
+      }
+      // Already seen: its answer is final, or it is on the stack (a
+      // reconvergent path) and will tell its parent itself.
+      if (plan.slots[candidate].should_execute()) {
+        mark(slot);
+      }
+    }
+    if (child != kNoSlot) {
+      if (plan.slots[child].fn->topological_nr() < min_topo_nr) {
+        continue;
+      }
+      stack.push_back({child});
+    } else {
+      const bool executes =
+          slot == kNoSlot ? virtual_root_needed : plan.slots[slot].should_execute();
+      stack.pop_back();
+      if (executes && !stack.empty()) {
+        mark(stack.back().slot);
+      }
+    }
+  }
+}
+
+} // namespace
+
+GraphPlan discover_graph(
+    const edge_list& roots,
+    const edge_list& inputs,
+    bool accumulate_grad,
+    std::unordered_set<Node*>* nodes_in_graph) {
+  GraphPlan plan;
+  PlanBuilder builder(plan, nodes_in_graph);
+  const bool single_root = roots.size() == 1;
+  if (single_root) {
+    plan.root_targets.push_back(builder.add_single_root(roots[0].function.get()));
+  } else {
+    for (const auto& root : roots) {
+      plan.root_targets.push_back(builder.add_edge_to(root.function.get()));
+    }
+  }
+  const uint64_t min_topo_nr = min_topological_nr(inputs);
+  builder.expand_all(min_topo_nr);
+
+  if (inputs.empty()) {
+    return plan;
+  }
+
+  plan.filtered = true;
+  for (auto& slot : plan.slots) {
+    slot.needed = false;
+  }
+  std::vector<Capture> captures;
+  uint32_t output_index = 0;
+  for (const auto& input : inputs) {
+    const int32_t slot = builder.slot_of(input.function.get());
+    if (slot == kNoSlot) {
+      // Not reachable from the roots: its gradient stays undefined.
+      if (!accumulate_grad) {
+        ++output_index;
+      }
+      continue;
+    }
+    if (accumulate_grad) {
+      plan.slots[slot].needed = true;
+    } else {
+      captures.push_back({slot, input.input_nr, output_index++});
+    }
+  }
+  // The executor visits a node's captures as one contiguous run, in the order
+  // they were requested (stock runs a node's capture hooks in that order).
+  std::stable_sort(
+      captures.begin(), captures.end(), [](const Capture& a, const Capture& b) {
+        return a.slot < b.slot;
+      });
+  for (int32_t i = static_cast<int32_t>(captures.size()) - 1; i >= 0; --i) {
+    plan.slots[captures[i].slot].first_capture = i;
+  }
+  plan.captures = std::move(captures);
+
+  mark_needed(plan, single_root ? plan.root_targets[0] : kNoSlot, min_topo_nr);
+  return plan;
+}
+
+} // namespace torch_ext

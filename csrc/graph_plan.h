@@ -1,0 +1,96 @@
+#pragma once
+
+// The per-call view of the autograd graph that one torch_ext backward runs.
+//
+// Stock PyTorch keeps a GraphTask with three hash maps keyed by Node*
+// (dependencies_, not_ready_, exec_info_) and looks a node up in each of them
+// for every edge it routes a gradient along. torch_ext resolves every edge to a
+// dense slot index once, during discovery, so the executor routes gradients by
+// indexing vectors. That is most of why it spends less time per node.
+
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/input_buffer.h>
+
+#include <cstdint>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace torch_ext {
+
+using torch::autograd::Edge;
+using torch::autograd::edge_list;
+using torch::autograd::InputBuffer;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// An edge whose target is not a node of this call (an invalid edge).
+inline constexpr int32_t kNoSlot = -1;
+
+// One node reachable from the roots.
+struct NodeSlot {
+  Node* fn = nullptr;
+  // Edges into this node that have not delivered their gradient yet (stock's
+  // dependencies_). The node becomes ready when this reaches zero.
+  int32_t pending_edges = 0;
+  // Offset of this node's next_edges() in GraphPlan::edge_targets; valid when
+  // `expanded`. Nodes older than every input of grad() are not expanded: no
+  // path leads from them to an input, so they never run.
+  uint32_t first_edge = 0;
+  bool expanded = false;
+  // Whether apply() runs. Always true for backward() without inputs=; with
+  // inputs= or grad() only nodes on a path to an input run (stock's
+  // ExecInfo::needed_).
+  bool needed = true;
+  // Index into GraphPlan::captures of the first capture on this node, or
+  // kNoSlot. Captures of one node are contiguous.
+  int32_t first_capture = kNoSlot;
+  // Gradients delivered so far; created by the first delivery (stock's
+  // not_ready_ entry).
+  std::optional<InputBuffer> inputs;
+
+  bool should_execute() const {
+    return needed || first_capture != kNoSlot;
+  }
+};
+
+// A gradient to hand back to the caller of grad(): input `input_nr` of the
+// node it belongs to goes to result position `output_index`.
+struct Capture {
+  int32_t slot;
+  uint32_t input_nr;
+  uint32_t output_index;
+};
+
+struct GraphPlan {
+  std::vector<NodeSlot> slots;
+  // For slot s and its i-th next edge: slots[s].first_edge + i -> target slot.
+  std::vector<int32_t> edge_targets;
+  // Target slot of each root edge.
+  std::vector<int32_t> root_targets;
+  std::vector<Capture> captures;
+  // Whether only a subset of nodes runs (inputs= or grad()); stock's
+  // "exec_info_ is not empty".
+  bool filtered = false;
+
+  int32_t target_of(int32_t slot, size_t edge_index) const {
+    return edge_targets[slots[slot].first_edge + edge_index];
+  }
+};
+
+// Builds the plan for running backward from `roots`. With `inputs` empty every
+// reachable node runs; otherwise only the nodes on a path from a root to an
+// input run, and the gradient arriving at each input is captured at its result
+// position (grad()), or, with `accumulate_grad`, the input's own node runs
+// (backward(inputs=...)).
+//
+// `nodes_in_graph`, when given, receives every node reached, as stock's
+// compute_dependencies fills GraphTask::nodes_in_graph_.
+GraphPlan discover_graph(
+    const edge_list& roots,
+    const edge_list& inputs,
+    bool accumulate_grad,
+    std::unordered_set<Node*>* nodes_in_graph);
+
+} // namespace torch_ext

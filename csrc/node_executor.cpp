@@ -1,0 +1,236 @@
+// Executor: runs one node and routes its outputs, in stock's order:
+// tensor pre-hooks -> retains_grad hooks -> node pre-hooks ->
+// will_release_variables -> apply -> validate_outputs -> post hooks ->
+// release_variables -> deliver each output to its next edge's input buffer.
+// (Engine::evaluate_function and call_function in engine.cpp.)
+
+#include "backward_call.h"
+
+#include <ATen/DeviceAccelerator.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/_is_any_true.h>
+#include <ATen/ops/isnan.h>
+#include <ATen/record_function.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <sstream>
+
+namespace torch_ext {
+namespace {
+
+using torch::autograd::AnomalyMode;
+
+variable_list call_tensor_pre_hooks(Node& fn, variable_list inputs) {
+  for (const auto& hook : fn.tensor_pre_hooks()) {
+    inputs = (*hook)(inputs);
+  }
+  for (const auto& [_, hook] : fn.retains_grad_hooks()) {
+    inputs = (*hook)(inputs);
+  }
+  return inputs;
+}
+
+variable_list call_pre_hooks(Node& fn, variable_list inputs) {
+  for (const auto& hook : fn.pre_hooks()) {
+    inputs = (*hook)(inputs);
+  }
+  return inputs;
+}
+
+variable_list call_post_hooks(
+    Node& fn,
+    variable_list outputs,
+    const variable_list& inputs,
+    bool had_post_hooks) {
+  for (const auto& hook : fn.post_hooks()) {
+    if (had_post_hooks) {
+      outputs = (*hook)(outputs, inputs);
+    } else {
+      // A pre-hook or the node itself registered this hook while running.
+      variable_list null_inputs;
+      outputs = (*hook)(outputs, null_inputs);
+    }
+  }
+  return outputs;
+}
+
+variable_list call_function(Node& fn, variable_list&& buffered, bool keep_graph) {
+  auto inputs = call_tensor_pre_hooks(fn, std::move(buffered));
+  inputs = call_pre_hooks(fn, std::move(inputs));
+  if (!keep_graph) {
+    fn.will_release_variables();
+  }
+  const bool has_post_hooks = !fn.post_hooks().empty();
+  variable_list outputs;
+  if (has_post_hooks) {
+    // Post hooks receive the inputs, so keep a copy. AccumulateGrad steals an
+    // incoming gradient only when its refcount is at most 1 + has_post_hooks
+    // (accumulate_grad.cpp), which is exactly this one extra reference.
+    auto inputs_copy = inputs;
+    outputs = fn(std::move(inputs_copy));
+  } else {
+    outputs = fn(std::move(inputs));
+  }
+  torch::autograd::validate_outputs(
+      fn.next_edges(), outputs, [&](const std::string& msg) {
+        std::ostringstream ss;
+        ss << "Function " << fn.name() << " returned an " << msg;
+        return std::move(ss).str();
+      });
+  return call_post_hooks(fn, std::move(outputs), inputs, has_post_hooks);
+}
+
+void check_outputs_for_nan(Node& fn, const variable_list& outputs) {
+  at::AutoGradMode grad_mode(false);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const auto& output = outputs[i];
+    at::OptionalDeviceGuard guard(device_of(output));
+    TORCH_CHECK(
+        !output.defined() || !at::isnan(output)._is_any_true().item<bool>(),
+        "Function '",
+        fn.name(),
+        "' returned nan values in its ",
+        i,
+        "th output.");
+  }
+}
+
+// Before a node reads its inputs, make its stream wait for the streams that
+// produced them (InputBuffer::add recorded the events).
+void wait_for_ready_inputs(
+    InputBuffer& inputs,
+    const std::optional<c10::Stream>& node_stream) {
+  for (size_t pos = 0; pos < inputs.ready_events.size(); ++pos) {
+    if (!inputs.buffer[pos].defined() ||
+        !at::accelerator::isAccelerator(inputs.buffer[pos].device().type())) {
+      continue;
+    }
+    const auto& ready_stream = inputs.ready_streams[pos];
+    TORCH_INTERNAL_ASSERT(ready_stream && node_stream);
+    if (*node_stream != *ready_stream) {
+      TORCH_INTERNAL_ASSERT(inputs.ready_events[pos]);
+      node_stream->wait(inputs.ready_events[pos].value());
+    }
+  }
+}
+
+void prepare_for_accelerator_grad(InputBuffer& inputs, const at::Tensor& grad) {
+  if (inputs.ready_events.size() == inputs.buffer.size() || !grad.defined() ||
+      !at::accelerator::isAccelerator(grad.device().type())) {
+    return;
+  }
+  const size_t n = inputs.buffer.size();
+  inputs.opt_accum_streams.resize(n);
+  inputs.ready_events.resize(n);
+  inputs.ready_streams.resize(n);
+}
+
+} // namespace
+
+// InputBuffer(n) also sizes three per-input stream/event vectors that only
+// accelerator gradients use: three allocations per node that a CPU graph never
+// reads. Buffers start with the gradient vector alone and grow the rest when
+// the first accelerator gradient arrives (prepare_for_accelerator_grad).
+InputBuffer make_input_buffer(Node& fn) {
+  return InputBuffer(variable_list(fn.num_inputs()));
+}
+
+void BackwardCall::deliver(
+    int32_t target,
+    uint32_t input_nr,
+    at::Tensor&& grad,
+    const std::optional<c10::Stream>& producer_stream) {
+  NodeSlot& slot = plan_.slots[target];
+  const bool ready = --slot.pending_edges == 0;
+  if (!slot.inputs) {
+    if (!slot.should_execute()) {
+      // Off every path to an input of grad()/backward(inputs=).
+      return;
+    }
+    slot.inputs.emplace(make_input_buffer(*slot.fn));
+  }
+  prepare_for_accelerator_grad(*slot.inputs, grad);
+  slot.inputs->add(
+      input_nr, std::move(grad), producer_stream, slot.fn->stream(), slot.fn);
+  if (ready) {
+    // Default priority until the priority table lands; equal priorities keep
+    // stock's order.
+    ready_.push({/*priority=*/0, slot.fn->sequence_nr(), target});
+  }
+}
+
+void BackwardCall::execute_node(int32_t index) {
+  NodeSlot& slot = plan_.slots[index];
+  Node& fn = *slot.fn;
+  InputBuffer inputs = std::move(*slot.inputs);
+  slot.inputs.reset();
+
+  RECORD_FUNCTION(
+      c10::str("autograd::engine::evaluate_function: ", fn.name()),
+      c10::ArrayRef<const c10::IValue>());
+
+  // Stock restores the graph task's thread-local state before every node; of
+  // that state only grad mode is something nodes and hooks commonly change.
+  c10::GradMode::set_enabled(options_.create_graph);
+
+  const auto node_stream = inputs.opt_overridden_consumer_stream.has_value()
+      ? inputs.opt_overridden_consumer_stream
+      : fn.stream();
+  c10::OptionalStreamGuard node_stream_guard{node_stream};
+  wait_for_ready_inputs(inputs, node_stream);
+
+  if (plan_.filtered) {
+    variable_list seen_inputs = inputs.buffer;
+    if (!slot.needed) {
+      // Captured but not run: its tensor pre-hooks still see the gradient
+      // (stock NOTE [Hooks ordering]); a needed node runs them in
+      // call_function.
+      seen_inputs = call_tensor_pre_hooks(fn, std::move(inputs.buffer));
+    }
+    if (slot.first_capture != kNoSlot) {
+      for (size_t c = slot.first_capture;
+           c < plan_.captures.size() && plan_.captures[c].slot == index;
+           ++c) {
+        const Capture& capture = plan_.captures[c];
+        captured_[capture.output_index] = seen_inputs[capture.input_nr];
+        if (node_stream) {
+          leaf_streams_.insert(*node_stream);
+        }
+      }
+    }
+    if (!slot.needed) {
+      return;
+    }
+  }
+
+  auto outputs =
+      call_function(fn, std::move(inputs.buffer), options_.keep_graph);
+  if (!options_.keep_graph) {
+    fn.release_variables();
+  }
+
+  if (outputs.empty()) {
+    // A leaf (AccumulateGrad): its stream wrote .grad.
+    if (node_stream) {
+      leaf_streams_.insert(*node_stream);
+    }
+    return;
+  }
+  if (AnomalyMode::is_enabled() && AnomalyMode::should_check_nan()) {
+    check_outputs_for_nan(fn, outputs);
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const int32_t target = plan_.target_of(index, i);
+    if (target == kNoSlot) {
+      continue;
+    }
+    deliver(
+        target, fn.next_edge(i).input_nr, std::move(outputs[i]), node_stream);
+  }
+}
+
+} // namespace torch_ext

@@ -1,0 +1,249 @@
+// torch_ext._C: the Python entry points the schema language cannot express.
+//
+// run_backward takes exactly the arguments of torch._C._EngineBase.run_backward
+// (roots may be GradientEdges, whose node is a Python object), so
+// torch_ext.Engine can stand in for torch.autograd's execution engine. Its
+// argument checks and messages are stock's (THPEngine_run_backward).
+
+#include "engine_api.h"
+
+#include <ATen/LegacyBatchedTensorImpl.h>
+#include <ATen/LegacyVmapMode.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_anomaly_mode.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace torch_ext {
+namespace {
+
+Edge parse_gradient_edge(PyObject* obj) {
+  PyObject* grad_fn = PyTuple_GetItem(obj, 0);
+  const auto output_nr = THPUtils_unpackLong(PyTuple_GetItem(obj, 1));
+  c10::intrusive_ptr<Node> node;
+  if (THPFunction_Check(grad_fn)) {
+    node = reinterpret_cast<THPFunction*>(grad_fn)->cdata;
+  } else if (torch::autograd::THPCppFunction_Check(grad_fn)) {
+    node = reinterpret_cast<torch::autograd::THPCppFunction*>(grad_fn)->cdata;
+  } else {
+    TORCH_CHECK(
+        false,
+        "GradientEdge's first object must be an autograd.graph.Node but got ",
+        THPUtils_typename(grad_fn));
+  }
+  return Edge(std::move(node), static_cast<uint32_t>(output_nr));
+}
+
+void check_not_batched(const at::Tensor& tensor, const char* what, size_t i) {
+  TORCH_CHECK(
+      !at::isBatchedTensor(tensor),
+      "torch.autograd.grad(outputs, inputs, grad_outputs) called inside ",
+      "torch.vmap. We do not support the case where any ",
+      what,
+      " are vmapped tensors (",
+      what == std::string("outputs") ? "output " : "input ",
+      i,
+      " is being vmapped over). Please "
+      "call autograd.grad() outside torch.vmap or file a bug report "
+      "with your use case.");
+}
+
+PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
+  HANDLE_TH_ERRORS
+  PyObject* tensors = nullptr;
+  PyObject* grad_tensors = nullptr;
+  unsigned char keep_graph = 0;
+  unsigned char create_graph = 0;
+  PyObject* inputs = nullptr;
+  unsigned char allow_unreachable = 0;
+  unsigned char accumulate_grad = 0;
+  constexpr const char* accepted_kwargs[] = {
+      "tensors",
+      "grad_tensors",
+      "keep_graph",
+      "create_graph",
+      "inputs",
+      "allow_unreachable",
+      "accumulate_grad",
+      nullptr};
+  if (!PyArg_ParseTupleAndKeywords(
+          args,
+          kwargs,
+          "OObb|Obb",
+          const_cast<char**>(accepted_kwargs),
+          &tensors,
+          &grad_tensors,
+          &keep_graph,
+          &create_graph,
+          &inputs,
+          &allow_unreachable,
+          &accumulate_grad)) {
+    return nullptr;
+  }
+  TORCH_CHECK(
+      PyTuple_Check(tensors),
+      "tensors argument is expected to be a tuple, but got ",
+      THPUtils_typename(tensors));
+  TORCH_CHECK(
+      PyTuple_Check(grad_tensors),
+      "grad_tensors argument is expected to be a tuple, but got ",
+      THPUtils_typename(grad_tensors));
+  const Py_ssize_t num_tensors = PyTuple_GET_SIZE(tensors);
+  const Py_ssize_t num_gradients = PyTuple_GET_SIZE(grad_tensors);
+  TORCH_CHECK(
+      num_tensors == num_gradients,
+      "got ",
+      num_tensors,
+      " tensors and ",
+      num_gradients,
+      " gradients");
+  const bool backward_api_called = accumulate_grad;
+  TORCH_CHECK(
+      !backward_api_called || at::impl::VmapMode::current_vmap_level() == 0,
+      "backward() called inside torch.vmap. This is not supported, "
+      "please call backward() outside torch.vmap or instead use "
+      "torch.autograd.grad inside torch.vmap");
+
+  edge_list roots;
+  roots.reserve(num_tensors);
+  variable_list grads;
+  grads.reserve(num_tensors);
+  for (Py_ssize_t i = 0; i < num_tensors; ++i) {
+    PyObject* root = PyTuple_GET_ITEM(tensors, i);
+    std::optional<at::Tensor> root_tensor;
+    if (THPVariable_Check(root)) {
+      root_tensor = THPVariable_Unpack(root);
+      check_not_batched(*root_tensor, "outputs", i);
+      roots.push_back(root_edge(*root_tensor, i));
+    } else if (PyObject_IsInstance(root, THPGradientEdgeClass)) {
+      roots.push_back(parse_gradient_edge(root));
+      TORCH_CHECK(
+          roots.back().function,
+          "element ",
+          i,
+          " of tensors does not require grad and does not have a grad_fn");
+    } else {
+      TORCH_CHECK(
+          false,
+          "element ",
+          i,
+          " of tensors tuple is neither a Tensor nor a GradientEdge");
+    }
+
+    PyObject* grad = PyTuple_GET_ITEM(grad_tensors, i);
+    if (THPVariable_Check(grad)) {
+      grads.push_back(THPVariable_Unpack(grad));
+    } else {
+      TORCH_CHECK(
+          grad == Py_None,
+          "element ",
+          i,
+          " of gradients tuple is not a Tensor or None");
+      TORCH_CHECK(
+          root_tensor.has_value(),
+          "element ",
+          i,
+          " of gradients tuple is None, but the corresponding output is a GradientEdge."
+          "This is not supported.");
+      TORCH_CHECK(
+          !root_tensor->requires_grad(),
+          "element ",
+          i,
+          " of gradients tuple is None, but the corresponding Tensor requires grad");
+      grads.emplace_back();
+    }
+  }
+
+  edge_list input_edges;
+  if (inputs != nullptr) {
+    TORCH_CHECK(
+        PyTuple_CheckExact(inputs), "inputs to run_backward must be a tuple");
+    const Py_ssize_t num_inputs = PyTuple_GET_SIZE(inputs);
+    input_edges.reserve(num_inputs);
+    for (Py_ssize_t i = 0; i < num_inputs; ++i) {
+      PyObject* input = PyTuple_GET_ITEM(inputs, i);
+      if (THPVariable_Check(input)) {
+        const auto& tensor = THPVariable_Unpack(input);
+        check_not_batched(tensor, "inputs", i);
+        input_edges.push_back(input_edge(tensor, accumulate_grad));
+      } else if (PyObject_IsInstance(input, THPGradientEdgeClass)) {
+        input_edges.push_back(parse_gradient_edge(input));
+      } else {
+        TORCH_CHECK(
+            false,
+            "all inputs have to be Tensors or GradientEdges, but got ",
+            THPUtils_typename(input));
+      }
+    }
+  }
+
+  variable_list results;
+  {
+    pybind11::gil_scoped_release no_gil;
+    results = run_backward(
+        roots,
+        std::move(grads),
+        input_edges,
+        {static_cast<bool>(keep_graph),
+         static_cast<bool>(create_graph),
+         static_cast<bool>(accumulate_grad)});
+  }
+
+  if (!backward_api_called && inputs != nullptr) {
+    const Py_ssize_t num_inputs = PyTuple_GET_SIZE(inputs);
+    THPObjectPtr py_results{PyTuple_New(num_inputs)};
+    if (!py_results) {
+      return nullptr;
+    }
+    for (Py_ssize_t i = 0; i < num_inputs; ++i) {
+      TORCH_CHECK(
+          allow_unreachable || results[i].defined(),
+          "The differentiated Tensor at index ",
+          i,
+          " appears to not have been used "
+          "in the graph. Set allow_unused=True if this is the desired behavior.");
+      PyTuple_SET_ITEM(py_results.get(), i, THPVariable_Wrap(results[i]));
+    }
+    return py_results.release();
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// Copies a node's forward stack (and parent chain) for anomaly mode's report.
+void copy_anomaly_metadata(Node& from, Node& to) {
+  pybind11::gil_scoped_acquire gil;
+  auto* source = static_cast<torch::autograd::PyAnomalyMetadata*>(from.metadata());
+  auto* target = static_cast<torch::autograd::PyAnomalyMetadata*>(to.metadata());
+  PyDict_Clear(target->dict());
+  if (PyDict_Update(target->dict(), source->dict()) < 0) {
+    PyErr_Clear();
+  }
+}
+
+PyMethodDef methods[] = {
+    {"run_backward",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run_backward)),
+     METH_VARARGS | METH_KEYWORDS,
+     "run_backward(tensors, grad_tensors, keep_graph, create_graph, inputs=None, "
+     "allow_unreachable=False, accumulate_grad=False): "
+     "torch._C._EngineBase.run_backward on torch_ext's engine."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    "torch_ext._C",
+    "torch_ext's C++ autograd engine.",
+    -1,
+    methods};
+
+} // namespace
+} // namespace torch_ext
+
+PyMODINIT_FUNC PyInit__C() {
+  torch_ext::set_anomaly_metadata_copier(torch_ext::copy_anomaly_metadata);
+  return PyModule_Create(&torch_ext::module_def);
+}
