@@ -8,7 +8,9 @@
 #include "graph_plan.h"
 #include "scheduler.h"
 
+#include <c10/core/AutogradState.h>
 #include <c10/core/Stream.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <optional>
 #include <string>
@@ -79,6 +81,11 @@ class BackwardCall {
   // the caller's streams wait on them before run() returns.
   std::unordered_set<c10::Stream> leaf_streams_;
   std::vector<c10::Stream> caller_streams_;
+  // The thread-local state every node starts from: the host task's, with grad
+  // mode equal to create_graph (part of stock's GraphTask::thread_locals_).
+  c10::AutogradState task_autograd_state_ = c10::AutogradState::get_tls_state();
+  c10::impl::LocalDispatchKeySet task_dispatch_keys_ =
+      c10::impl::tls_local_dispatch_key_set();
   Node* failed_node_ = nullptr;
 };
 

@@ -7,6 +7,8 @@
 
 #include "graph_plan.h"
 
+#include <c10/util/flat_hash_map.h>
+
 #include <algorithm>
 #include <limits>
 #include <unordered_set>
@@ -33,7 +35,7 @@ class PlanBuilder {
   // Slot of `fn`, created on first sight. Every call is one edge into `fn`.
   int32_t add_edge_to(Node* fn) {
     auto [it, inserted] =
-        slot_of_.try_emplace(fn, static_cast<int32_t>(plan_.slots.size()));
+        slot_of_.emplace(fn, static_cast<int32_t>(plan_.slots.size()));
     if (inserted) {
       plan_.slots.emplace_back();
       plan_.slots.back().fn = fn;
@@ -90,7 +92,9 @@ class PlanBuilder {
  private:
   GraphPlan& plan_;
   std::unordered_set<Node*>* nodes_in_graph_;
-  std::unordered_map<Node*, int32_t> slot_of_;
+  // Open addressing: std::unordered_map allocated once per node, and that
+  // allocation was a visible share of discovery (perf, 10k-node chain).
+  ska::flat_hash_map<Node*, int32_t> slot_of_;
   std::vector<int32_t> expand_stack_;
 };
 

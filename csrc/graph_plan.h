@@ -6,7 +6,9 @@
 // (dependencies_, not_ready_, exec_info_) and looks a node up in each of them
 // for every edge it routes a gradient along. torch_ext resolves every edge to a
 // dense slot index once, during discovery, so the executor routes gradients by
-// indexing vectors. That is most of why it spends less time per node.
+// indexing vectors. (Most of what torch_ext saves per node is elsewhere: stock
+// restores the whole thread-local state before every node, measured at ~38%
+// of its instructions on a chain of tiny ops; see node_executor.cpp.)
 
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>

@@ -195,6 +195,8 @@ void BackwardCall::run() {
   // Gradients are accumulated (InputBuffer) and nodes run with grad mode
   // equal to create_graph, as under stock's per-task thread-local state.
   c10::GradMode::set_enabled(options_.create_graph);
+  task_autograd_state_ = c10::AutogradState::get_tls_state();
+  task_dispatch_keys_ = c10::impl::tls_local_dispatch_key_set();
 
   int32_t running = kNoSlot;
   try {
@@ -246,10 +248,10 @@ variable_list run_backward(
         "If you have to use this function, make sure to reset the .grad fields of "
         "your parameters to None after use to break the cycle and avoid the leak.");
   }
-  if (roots.size() > 1) {
-    // Stock builds a GraphRoot node for several roots, which takes a
-    // sequence number; forward ops recorded afterwards are numbered as on
-    // stock.
+  if (roots.size() != 1) {
+    // Stock builds a GraphRoot node unless there is exactly one root, and it
+    // takes a sequence number; forward ops recorded afterwards are numbered
+    // as on stock.
     at::sequence_number::get_and_increment();
   }
 

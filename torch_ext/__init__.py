@@ -4,6 +4,6 @@ Importing torch_ext loads its C++ engine first and fails loudly (naming the torc
 for and the one it found) when that is not possible; see torch_ext/_loader.py.
 """
 
-from torch_ext.engine import Engine, backward, disable, enable, enabled, is_enabled
+from torch_ext.engine import Engine, backward, disable, enable, enabled, grad, is_enabled
 
-__all__ = ["Engine", "backward", "disable", "enable", "enabled", "is_enabled"]
+__all__ = ["Engine", "backward", "disable", "enable", "enabled", "grad", "is_enabled"]

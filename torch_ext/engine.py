@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Mapping
 
 import torch
+from torch import _vmap_internals
 from torch.autograd import graph as autograd_graph
 from torch.autograd.variable import Variable
 from torch.overrides import handle_torch_function, has_torch_function, is_tensor_like
@@ -21,10 +23,6 @@ _C = load_extension()
 # current graph task, which torch_ext's host task makes the stock engine's own,
 # so those calls go to it unchanged.
 _STOCK_ENGINE = torch._C._ImperativeEngine()
-
-# Features that land with the full-parity issue: until then they run on the
-# stock engine under enable(), and raise from torch_ext.backward().
-_PARITY_FEATURES = "create_graph=True and inputs= (full stock parity)"
 
 
 def _compiled_autograd_enabled() -> bool:
@@ -41,9 +39,8 @@ class Engine:
     :func:`enable` does), so that ``loss.backward()``, ``torch.autograd.backward`` and
     ``torch.autograd.grad`` anywhere in the process run through it.
 
-    ``run_backward`` runs plain backward passes (no ``inputs=``, no ``create_graph``) on torch_ext's
-    engine. grad(), ``backward(inputs=...)``, ``create_graph=True`` and backward passes under
-    compiled autograd still go to the stock engine: they are completed by the full-parity issue.
+    Backward passes under compiled autograd go to the stock engine: compiled autograd intercepts the
+    engine's entry and cannot trace torch_ext's driver node.
     """
 
     def run_backward(
@@ -56,7 +53,7 @@ class Engine:
         allow_unreachable=False,
         accumulate_grad=False,
     ):
-        if create_graph or inputs or not accumulate_grad or _compiled_autograd_enabled():
+        if _compiled_autograd_enabled():
             return _STOCK_ENGINE.run_backward(
                 tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad
             )
@@ -116,45 +113,151 @@ def backward(
     grad_tensors=None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
+    grad_variables=None,
     inputs=None,
 ) -> None:
-    """``torch.autograd.backward`` on torch_ext's engine, with the same arguments and semantics.
+    """``torch.autograd.backward`` on torch_ext's engine: same arguments, semantics and errors.
 
     Args:
         tensors: tensors (or ``torch.autograd.graph.GradientEdge``) to differentiate.
         grad_tensors: the gradient of each of ``tensors``; ``None`` for scalars (ones).
-        retain_graph: keep the graph's saved tensors for another backward; defaults to
-            ``create_graph``.
-        create_graph: not yet supported (raises NotImplementedError).
-        inputs: not yet supported (raises NotImplementedError).
+        retain_graph: keep the graph's saved tensors for another backward; defaults to ``create_graph``.
+        create_graph: record the backward pass itself, for higher-order gradients.
+        grad_variables: deprecated alias of ``grad_tensors``.
+        inputs: accumulate into the ``.grad`` of these only (tensors, GradientEdges or a dict of tensors).
     """
-    if create_graph:
-        raise NotImplementedError(f"torch_ext.backward: create_graph=True is not implemented yet ({_PARITY_FEATURES})")
-    if inputs is not None:
-        raise NotImplementedError(f"torch_ext.backward: inputs= is not implemented yet ({_PARITY_FEATURES})")
     if torch._C._are_functorch_transforms_active():
         raise RuntimeError(
             "backward() called inside a functorch transform. This is not "
             "supported, please use functorch.grad or functorch.vjp instead "
             "or call backward() outside of functorch transforms."
         )
-    if is_tensor_like(tensors) or isinstance(tensors, autograd_graph.GradientEdge):
-        tensors = (tensors,)
-    else:
-        tensors = tuple(tensors)
-    tensor_args = tuple(t for t in tensors if is_tensor_like(t))
-    if has_torch_function(tensor_args):
+    if grad_variables is not None:
+        warnings.warn("`grad_variables` is deprecated. Use `grad_tensors` instead.", FutureWarning, stacklevel=2)
+        if grad_tensors is None:
+            grad_tensors = grad_variables
+        else:
+            raise RuntimeError(
+                "`grad_tensors` and `grad_variables` (deprecated) "
+                "arguments both passed to `backward()`. Please only "
+                "use `grad_tensors`."
+            )
+    inputs_tuple = _inputs_to_tuple(inputs, "backward")
+    if inputs is not None and len(inputs_tuple) == 0:
+        raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
+    tensors = _roots_to_tuple(tensors)
+    overridable_args = tuple(t for t in tensors + inputs_tuple if is_tensor_like(t))
+    if has_torch_function(overridable_args):
         return handle_torch_function(
-            backward, tensor_args, tensors, grad_tensors=grad_tensors, retain_graph=retain_graph
+            backward,
+            overridable_args,
+            tensors,
+            grad_tensors=grad_tensors,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
+            inputs=inputs_tuple if inputs is not None else None,
         )
-    grads = _make_root_grads(tensors, grad_tensors)
+    grads = _make_root_grads(tensors, grad_tensors, is_grads_batched=False)
     if retain_graph is None:
         retain_graph = create_graph
-    _C.run_backward(tensors, grads, retain_graph, create_graph, (), True, True)
+    _C.run_backward(tensors, grads, retain_graph, create_graph, inputs_tuple, True, True)
 
 
-def _make_root_grads(tensors: tuple, grad_tensors) -> tuple:
+def grad(
+    outputs,
+    inputs,
+    grad_outputs=None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    only_inputs: bool = True,
+    allow_unused: bool | None = None,
+    is_grads_batched: bool = False,
+    materialize_grads: bool = False,
+):
+    """``torch.autograd.grad`` on torch_ext's engine: same arguments, semantics and errors.
+
+    Only the nodes on a path from ``outputs`` to ``inputs`` run, and nodes skip the gradients nobody
+    asked for (``grad(x)`` of an MLP computes no weight gradients). Returns a tuple with the gradient
+    of each input (``None`` where unused and ``allow_unused``), or a dict when ``inputs`` is a dict.
+    """
+    if materialize_grads and allow_unused is False:
+        raise ValueError(
+            "Expected allow_unused to be True or not passed when materialize_grads=True, but got: allow_unused=False."
+        )
+    if allow_unused is None:
+        allow_unused = materialize_grads
+    outputs = _roots_to_tuple(outputs)
+    inputs_tuple = _inputs_to_tuple(inputs, "grad")
+    if len(inputs_tuple) == 0:
+        raise RuntimeError("`inputs` argument to `grad()` cannot be empty.")
+    overridable_args = tuple(t for t in outputs + inputs_tuple if is_tensor_like(t))
+    if has_torch_function(overridable_args):
+        result = handle_torch_function(
+            grad,
+            overridable_args,
+            outputs,
+            inputs_tuple,
+            grad_outputs=grad_outputs,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
+            only_inputs=only_inputs,
+            allow_unused=allow_unused,
+            is_grads_batched=is_grads_batched,
+            materialize_grads=materialize_grads,
+        )
+        return dict(zip(inputs.keys(), result, strict=True)) if type(inputs) is dict else result
+    if not only_inputs:
+        warnings.warn(
+            "only_inputs argument is deprecated and is ignored now "
+            "(defaults to True). To accumulate gradient for other "
+            "parts of the graph, please use torch.autograd.backward.",
+            FutureWarning,
+            stacklevel=2,
+        )
+    grads = _make_root_grads(outputs, grad_outputs, is_grads_batched=is_grads_batched)
+    if retain_graph is None:
+        retain_graph = create_graph
+    if is_grads_batched:
+
+        def vjp(grad_batch):
+            return _C.run_backward(outputs, grad_batch, retain_graph, create_graph, inputs_tuple, allow_unused, False)
+
+        result = _vmap_internals._vmap(vjp, 0, 0, allow_none_pass_through=True)(grads)
+    else:
+        result = _C.run_backward(outputs, grads, retain_graph, create_graph, inputs_tuple, allow_unused, False)
+    if materialize_grads:
+        if any(r is None and not is_tensor_like(inp) for r, inp in zip(result, inputs_tuple, strict=True)):
+            raise RuntimeError("materialize_grads cannot be used when the given input is a GradientEdge")
+        result = tuple(
+            r if r is not None else torch.zeros_like(inp, requires_grad=create_graph)
+            for r, inp in zip(result, inputs_tuple, strict=True)
+        )
+    return dict(zip(inputs.keys(), result, strict=True)) if type(inputs) is dict else result
+
+
+def _roots_to_tuple(tensors) -> tuple:
+    if is_tensor_like(tensors) or isinstance(tensors, autograd_graph.GradientEdge):
+        return (tensors,)
+    return tuple(tensors)
+
+
+def _inputs_to_tuple(inputs, api: str) -> tuple:
+    if inputs is None:
+        return ()
+    if isinstance(inputs, (torch.Tensor, autograd_graph.GradientEdge)):
+        return (inputs,)
+    if type(inputs) is dict:
+        return tuple(inputs.values())
+    if isinstance(inputs, Mapping):
+        raise TypeError(
+            f"`inputs` argument to `{api}()` must be a dict, not {type(inputs).__name__}. "
+            "Other Mapping types are not supported."
+        )
+    return tuple(inputs)
+
+
+def _make_root_grads(tensors: tuple, grad_tensors, *, is_grads_batched: bool) -> tuple:
     # torch.autograd's own helpers, so default gradients and their error
     # messages are stock's exactly.
     grad_tensors_ = torch.autograd._tensor_or_tensors_to_tuple(grad_tensors, len(tensors))
-    return torch.autograd._make_grads(tensors, grad_tensors_, is_grads_batched=False)
+    return torch.autograd._make_grads(tensors, grad_tensors_, is_grads_batched=is_grads_batched)

@@ -1,0 +1,97 @@
+"""Timing, statistics and CSV helpers shared by the benchmarks in this directory.
+
+Benchmarks are scripts (``python benchmarks/<name>.py``); Python puts this directory on sys.path
+for them, which is how they import this module.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+CSV_COLUMNS = ("what", "case", "size", "metric", "median", "p20", "p80", "torch_version", "git_sha")
+
+
+def timed_ns(fn: Callable[..., object], *args: object) -> int:
+    """Wall time of ``fn(*args)`` in nanoseconds, with Python's cyclic GC off during the call.
+
+    A collection is triggered by allocations anywhere in the process (here mostly the graph-building
+    forward), so leaving the GC on would charge an unrelated pass to whichever call happened to
+    cross the threshold. The caller's GC state is restored afterwards, so collections still run
+    between timed calls.
+    """
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter_ns()
+        fn(*args)
+        return time.perf_counter_ns() - start
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+@dataclass(frozen=True)
+class Summary:
+    median: float
+    p20: float
+    p80: float
+
+    def __str__(self) -> str:
+        return f"{self.median:.3g} [{self.p20:.3g}-{self.p80:.3g}]"
+
+
+def summarize(samples: Sequence[float]) -> Summary:
+    """Median, 20th and 80th percentile (linear interpolation between samples)."""
+    if len(samples) < 2:
+        raise ValueError(f"need at least 2 samples for percentiles, got {len(samples)}")
+    quintiles = statistics.quantiles(samples, n=5, method="inclusive")
+    return Summary(statistics.median(samples), quintiles[0], quintiles[3])
+
+
+def git_sha() -> str:
+    """Short sha of the checkout this file lives in, or "unknown" (no git, not a checkout)."""
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return result.stdout.strip() or "unknown"
+
+
+def csv_row(what: str, case: str, size: str, metric: str, summary: Summary, sha: str) -> dict[str, object]:
+    return {
+        "what": what,
+        "case": case,
+        "size": size,
+        "metric": metric,
+        "median": summary.median,
+        "p20": summary.p20,
+        "p80": summary.p80,
+        "torch_version": torch.__version__,
+        "git_sha": sha,
+    }
+
+
+def write_csv(path: str, rows: Iterable[dict[str, object]]) -> None:
+    """Writes long-format rows (CSV_COLUMNS) to ``path``, creating its directory."""
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)

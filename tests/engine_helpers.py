@@ -1,0 +1,229 @@
+"""Runs one graph on stock PyTorch and on torch_ext and compares what each engine did.
+
+In the manner of tinygrad's ``helper_test_op``: a test hands over a ``build()`` that makes the graph, and
+:func:`assert_backward_matches_stock` builds it twice from the same seed, runs stock
+``torch.autograd.backward`` on one copy and ``torch_ext.backward`` on the other, and asserts the two
+engines agree on the bits of every gradient, the order nodes ran in and the calls of every hook.
+
+Hooks made with :func:`hook` (or anything calling :func:`record`) write to the log of the run in
+progress, so a ``build()`` registers its hooks exactly as user code would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+import torch_ext
+
+SEED = 0
+
+# The log of the backward run being recorded on each thread (both engines run a CPU graph's nodes on the
+# thread that called backward); None outside of one.
+_recording = threading.local()
+# Seeding and building hold this lock: the default generator is shared by all threads.
+_build_lock = threading.Lock()
+
+
+def _active_log() -> list[tuple] | None:
+    return getattr(_recording, "log", None)
+
+
+@dataclasses.dataclass
+class BackwardRecord:
+    """What one engine did: ``.grad`` of each leaf, and the log of node and hook events in call order."""
+
+    grads: list[torch.Tensor | None]
+    log: list[tuple]
+
+    @property
+    def order(self) -> list[str]:
+        """``"<walk index>:<node name>"`` of each node, in the order the engine ran it."""
+        return [event[1] for event in self.log if event[0] == "node"]
+
+    @property
+    def hook_labels(self) -> list[str]:
+        return [event[1] for event in self.log if event[0] == "hook"]
+
+
+def _snapshot(value):
+    # Hooks see gradients the engine may later accumulate into in place: copy them when called.
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return tuple(_snapshot(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__
+
+
+def record(label: str, *values) -> None:
+    """Appends ``label`` and a copy of ``values`` (tensors, tuples of them, None) to the log in progress."""
+    log = _active_log()
+    if log is None:
+        raise AssertionError(f"hook {label!r} ran outside a recorded backward")
+    log.append(("hook", label, _snapshot(values)))
+
+
+def hook(label: str, replace: Callable | None = None) -> Callable:
+    """A hook of any kind that logs its arguments, then returns ``replace(*args)`` (None: keep the gradient)."""
+
+    def logged_hook(*args):
+        record(label, *args)
+        return None if replace is None else replace(*args)
+
+    return logged_hook
+
+
+def graph_nodes(roots: Sequence) -> list:
+    """Every node reachable from ``roots``, breadth first along ``next_functions``: the same list for two
+    graphs built by the same code, so a node's position names it across the two."""
+    queue = []
+    for root in roots:
+        if isinstance(root, GradientEdge):
+            queue.append(root.node)
+        elif isinstance(root, torch.Tensor) and root.requires_grad:
+            queue.append(get_gradient_edge(root).node)
+    seen: set = set()
+    nodes = []
+    while queue:
+        node = queue.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nodes.append(node)
+        queue.extend(next_node for next_node, _ in node.next_functions)
+    return nodes
+
+
+def _order_hook(position: int, node):
+    tag = f"{position}:{node.name()}"
+
+    def prehook(grad_outputs):
+        _active_log().append(("node", tag))
+
+    return prehook
+
+
+def _fresh_grads(grad_tensors):
+    # Each engine gets its own copy: AccumulateGrad may adopt a root gradient as a leaf's .grad.
+    if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
+        return None if grad_tensors is None else grad_tensors.clone()
+    return [None if g is None else g.clone() for g in grad_tensors]
+
+
+def run_recorded(build: Callable, backward: Callable, *, grad_tensors=None, retain_graph=None, runs=1):
+    """Builds the graph from :data:`SEED`, hooks every node's execution, and runs ``backward`` ``runs`` times."""
+    with _build_lock:
+        torch.manual_seed(SEED)
+        roots, leaves = build()
+    roots = [roots] if isinstance(roots, (torch.Tensor, GradientEdge)) else list(roots)
+    log: list[tuple] = []
+    for position, node in enumerate(graph_nodes(roots)):
+        node.register_prehook(_order_hook(position, node))
+    _recording.log = log
+    try:
+        for run in range(runs):
+            if run:
+                log.append(("run", run))
+            backward(roots, grad_tensors=_fresh_grads(grad_tensors), retain_graph=retain_graph)
+    finally:
+        _recording.log = None
+    return BackwardRecord([leaf.grad for leaf in leaves], log)
+
+
+def tensors_identical(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """torch.equal plus dtype, shape and strides; NaNs compare equal to NaNs at the same positions."""
+    if a is None or b is None:
+        return a is None and b is None
+    if (a.dtype, a.shape, a.stride(), a.layout) != (b.dtype, b.shape, b.stride(), b.layout):
+        return False
+    if a.is_floating_point() or a.is_complex():
+        nan_a, nan_b = a.isnan(), b.isnan()
+        if not torch.equal(nan_a, nan_b):
+            return False
+        return torch.equal(a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0))
+    return torch.equal(a, b)
+
+
+def _logs_identical(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tensors_identical(a, b)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_logs_identical(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _describe(event) -> str:
+    kind, label, *values = event
+    return f"{kind} {label}" + (f" {values[0]!r}" if values else "")
+
+
+def assert_backward_matches_stock(
+    build: Callable,
+    *,
+    grad_tensors=None,
+    retain_graph=None,
+    runs: int = 1,
+    ext_backward: Callable | None = None,
+) -> BackwardRecord:
+    """Asserts torch_ext and stock PyTorch run backward on ``build()``'s graph identically.
+
+    ``build()`` returns ``(roots, leaves)``: the tensors or GradientEdges to differentiate and the tensors
+    whose ``.grad`` is compared (leaves, or non-leaves that retain their grad). It is called once per
+    engine from the same seed, so both get the same values and the same graph. ``ext_backward`` replaces
+    ``torch_ext.backward`` (same signature as ``torch.autograd.backward``).
+
+    Returns stock's record, so a test can check the events it expects really happened.
+    """
+    ext_backward = ext_backward or torch_ext.backward
+    options = {"grad_tensors": grad_tensors, "retain_graph": retain_graph, "runs": runs}
+    stock = run_recorded(build, torch.autograd.backward, **options)
+    ext = run_recorded(build, ext_backward, **options)
+
+    assert stock.order, "no node ran: build() made no graph"
+    assert len(stock.grads) == len(ext.grads)
+    for i, (s, e) in enumerate(zip(stock.grads, ext.grads)):
+        assert tensors_identical(s, e), f"leaf {i}: stock grad\n{s}\ntorch_ext grad\n{e}"
+    assert ext.order == stock.order, "node execution order differs"
+    assert len(ext.log) == len(stock.log) and all(_logs_identical(s, e) for s, e in zip(stock.log, ext.log)), (
+        "hook call logs differ:\nstock:\n  {}\ntorch_ext:\n  {}".format(
+            "\n  ".join(map(_describe, stock.log)), "\n  ".join(map(_describe, ext.log))
+        )
+    )
+    return stock
+
+
+@dataclasses.dataclass
+class ErrorPair:
+    stock: BaseException
+    ext: BaseException
+    stock_warnings: list[warnings.WarningMessage]
+    ext_warnings: list[warnings.WarningMessage]
+
+
+def _raised(fn: Callable, engine: str) -> tuple[BaseException, list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - any type, compared below
+            return e, caught
+    raise AssertionError(f"{engine}: expected an exception, none was raised")
+
+
+def assert_same_error(fn_stock: Callable, fn_ext: Callable) -> ErrorPair:
+    """Asserts both callables raise, with the same exception type and message.
+
+    Warnings raised meanwhile are recorded (not filtered) and returned for the test to compare.
+    """
+    stock, stock_warnings = _raised(fn_stock, "stock")
+    ext, ext_warnings = _raised(fn_ext, "torch_ext")
+    assert type(ext) is type(stock), f"stock raised {type(stock).__name__}: {stock}\ntorch_ext raised {ext!r}"
+    assert str(ext) == str(stock), f"messages differ:\nstock:     {stock}\ntorch_ext: {ext}"
+    return ErrorPair(stock, ext, stock_warnings, ext_warnings)

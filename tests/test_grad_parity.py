@@ -1,0 +1,331 @@
+"""grad(), backward(inputs=), create_graph and checkpoint on torch_ext against stock PyTorch."""
+
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+import torch_ext
+
+
+def assert_same(stock, ext):
+    """Equal structure, None where stock has None, torch.equal tensors."""
+    if isinstance(stock, (tuple, list)):
+        assert type(stock) is type(ext) and len(stock) == len(ext)
+        for s, e in zip(stock, ext):
+            assert_same(s, e)
+    elif isinstance(stock, dict):
+        assert stock.keys() == ext.keys()
+        for key in stock:
+            assert_same(stock[key], ext[key])
+    elif stock is None:
+        assert ext is None
+    else:
+        assert torch.equal(stock, ext), (stock, ext)
+
+
+def mlp(seed=0, width=16, depth=3):
+    torch.manual_seed(seed)
+    weights = [torch.randn(width, width, requires_grad=True) for _ in range(depth)]
+    x = torch.randn(4, width, requires_grad=True)
+    h = x
+    for w in weights:
+        h = torch.tanh(h @ w)
+    return h.sum(), x, weights
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+GRAD = {"stock": torch.autograd.grad, "ext": torch_ext.grad}
+BACKWARD = {"stock": torch.autograd.backward, "ext": torch_ext.backward}
+
+
+def both(fn):
+    """fn(engine) for the stock engine and torch_ext's, each on a freshly built graph."""
+    return fn("stock"), fn("ext")
+
+
+@pytest.mark.parametrize(
+    "select",
+    [
+        pytest.param(lambda x, ws: x, id="input"),
+        pytest.param(lambda x, ws: ws, id="weights"),
+        pytest.param(lambda x, ws: [ws[1], x], id="mixed"),
+        pytest.param(lambda x, ws: {"x": x, "w0": ws[0]}, id="dict"),
+    ],
+)
+def test_grad_matches_stock_and_writes_no_grad(select):
+    def run(engine):
+        loss, x, ws = mlp()
+        result = GRAD[engine](loss, select(x, ws))
+        return result, [x.grad] + [w.grad for w in ws]
+
+    (stock, stock_leaf_grads), (ext, ext_leaf_grads) = both(run)
+    assert stock_leaf_grads == [None] * 4
+    assert_same(stock, ext)
+    assert ext_leaf_grads == [None] * 4
+
+
+def test_grad_of_input_only_prunes_weight_gradients():
+    # Three mm in forward; grad(x) needs one mm per layer backward (dX), none for dW.
+    counts = {}
+    for engine in ("stock", "ext"):
+        loss, x, _ = mlp()
+        with CountMatmuls() as counter:
+            GRAD[engine](loss, x)
+        counts[engine] = counter.count
+    assert counts["ext"] == counts["stock"] == 3
+
+
+def test_grad_of_intermediate_and_gradient_edge():
+    def run(engine):
+        torch.manual_seed(0)
+        a = torch.randn(5, requires_grad=True)
+        mid = a.exp()
+        out = (mid * mid.sin()).sum()
+        edge = torch.autograd.graph.get_gradient_edge(mid)
+        return GRAD[engine](out, (mid, edge, a), retain_graph=True)
+
+    assert_same(*both(run))
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_backward_inputs_accumulates_only_into_inputs(create_graph):
+    def run(engine):
+        loss, x, ws = mlp()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # create_graph's reference-cycle warning, on both engines
+            BACKWARD[engine](loss, inputs=[ws[1], x], create_graph=create_graph)
+        return [w.grad for w in ws] + [x.grad]
+
+    stock, ext = both(run)
+    assert_same(
+        [g.detach() if g is not None else None for g in stock], [g.detach() if g is not None else None for g in ext]
+    )
+    assert ext[0] is None and ext[2] is None
+
+
+def test_backward_inputs_non_leaf_retains_grad():
+    def run(engine):
+        torch.manual_seed(0)
+        a = torch.randn(3, requires_grad=True)
+        mid = a * 3
+        BACKWARD[engine]((mid**2).sum(), inputs=[mid])
+        return mid.grad, a.grad
+
+    assert_same(*both(run))
+
+
+def test_double_backward_through_grad_create_graph():
+    def run(engine):
+        loss, x, ws = mlp()
+        grads = GRAD[engine](loss, ws, create_graph=True)
+        penalty = sum((g * g).sum() for g in grads)
+        BACKWARD[engine](penalty)
+        return [w.grad for w in ws] + [x.grad]
+
+    assert_same(*both(run))
+
+
+def test_third_order_gradient():
+    def run(engine):
+        x = torch.tensor([0.3, -1.2, 2.0], requires_grad=True)
+        y = (x.sin() * x.exp()).sum()
+        (g1,) = GRAD[engine](y, x, create_graph=True)
+        (g2,) = GRAD[engine](g1.sum(), x, create_graph=True)
+        (g3,) = GRAD[engine](g2.sum(), x)
+        return g1.detach(), g2.detach(), g3
+
+    assert_same(*both(run))
+
+
+@pytest.mark.parametrize(
+    "functional",
+    [
+        pytest.param(
+            lambda: torch.autograd.functional.hessian(lambda v: (v.sin() * v).sum(), torch.arange(5.0)), id="hessian"
+        ),
+        pytest.param(
+            lambda: torch.autograd.functional.jacobian(lambda v: v.exp() * v.sum(), torch.arange(4.0)), id="jacobian"
+        ),
+        pytest.param(
+            lambda: torch.autograd.functional.jacobian(lambda v: v.exp() * v.sum(), torch.arange(4.0), vectorize=True),
+            id="jacobian-vectorized",
+        ),
+        pytest.param(
+            lambda: torch.autograd.functional.hvp(lambda v: (v**3).sum(), torch.arange(3.0), torch.ones(3)), id="hvp"
+        ),
+        pytest.param(
+            lambda: torch.autograd.functional.vjp(lambda v: v.cos(), torch.arange(3.0), torch.ones(3)), id="vjp"
+        ),
+    ],
+)
+def test_autograd_functional_under_enabled(functional):
+    stock = functional()
+    with torch_ext.enabled():
+        ext = functional()
+    assert_same(stock, ext)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_nested(use_reentrant):
+    def run(engine):
+        torch.manual_seed(2)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+        x = torch.randn(3, 8, requires_grad=True)
+        y = checkpoint(net, x, use_reentrant=use_reentrant)
+        y = checkpoint(lambda t: checkpoint(net, t, use_reentrant=use_reentrant).sin(), y, use_reentrant=use_reentrant)
+        BACKWARD[engine](y.sum())
+        return [p.grad for p in net.parameters()] + [x.grad]
+
+    assert_same(*both(run))
+
+
+def test_checkpoint_early_stop_recomputes_once_per_region():
+    def run(engine):
+        torch.manual_seed(3)
+        recomputes = []
+
+        def region(t):
+            recomputes.append(1)
+            return (t.sin() * t.cos()).exp()
+
+        x = torch.randn(6, requires_grad=True)
+        y = checkpoint(region, x, use_reentrant=False)
+        BACKWARD[engine](y.sum())
+        return x.grad, len(recomputes)
+
+    (stock_grad, stock_calls), (ext_grad, ext_calls) = both(run)
+    assert torch.equal(stock_grad, ext_grad)
+    assert ext_calls == stock_calls == 2  # forward + one recompute
+
+
+def test_reentrant_checkpoint_refuses_grad_like_stock():
+    def run(engine):
+        net = torch.nn.Linear(4, 4)
+        x = torch.randn(2, 4, requires_grad=True)
+        y = checkpoint(net, x, use_reentrant=True)
+        with pytest.raises(RuntimeError) as info:
+            GRAD[engine](y.sum(), x)
+        return str(info.value)
+
+    stock, ext = both(run)
+    assert stock == ext
+
+
+def test_multi_grad_hook_all_and_any():
+    def run(engine):
+        a = torch.randn(3, requires_grad=True)
+        b = torch.randn(3, requires_grad=True)
+        calls = []
+        torch.autograd.graph.register_multi_grad_hook(
+            (a, b), lambda gs: calls.append(("all", [g is not None for g in gs]))
+        )
+        torch.autograd.graph.register_multi_grad_hook((a, b), lambda g: calls.append(("any", g.shape)), mode="any")
+        BACKWARD[engine]((a * 2).sum() + (b * 3).sum())
+        BACKWARD[engine]((a * 2).sum())
+        return calls
+
+    stock, ext = both(run)
+    assert stock == ext
+    assert len(ext) == 4
+
+
+def test_will_engine_execute_node_during_grad():
+    def run(engine):
+        a = torch.randn(3, requires_grad=True)
+        b = torch.randn(3, requires_grad=True)
+        mid_a, mid_b = a.exp(), b.exp()
+        seen = []
+
+        def hook(grad):
+            seen.append(
+                (
+                    torch._C._will_engine_execute_node(mid_a.grad_fn),
+                    torch._C._will_engine_execute_node(mid_b.grad_fn),
+                    torch._C._current_graph_task_id() != -1,
+                    torch.autograd._is_checkpoint_valid(),
+                )
+            )
+
+        out = mid_a * 2 + mid_b
+        out.register_hook(hook)
+        GRAD[engine](out.sum(), a, retain_graph=True)
+        BACKWARD[engine](out.sum())
+        return seen
+
+    stock, ext = both(run)
+    assert stock == ext
+    assert ext[0] == (True, False, True, False)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda g, a, b: g((a * 2).sum(), [a, b]), id="unused-input"),
+        pytest.param(lambda g, a, b: g((a * 2).sum(), []), id="empty-inputs"),
+        pytest.param(lambda g, a, b: g((a * 2).sum(), [a.detach()]), id="input-not-requiring-grad"),
+        pytest.param(
+            lambda g, a, b: g((a * 2).sum(), [a], allow_unused=False, materialize_grads=True), id="materialize"
+        ),
+        pytest.param(lambda g, a, b: g((a * 2), [a]), id="non-scalar-without-grad-outputs"),
+        pytest.param(lambda g, a, b: g((a * 2).sum(), [a], grad_outputs=[torch.ones(2)]), id="grad-output-shape"),
+    ],
+)
+def test_grad_errors_match_stock(call):
+    def run(engine):
+        a = torch.randn(3, requires_grad=True)
+        b = torch.randn(3, requires_grad=True)
+        with pytest.raises(Exception) as info:
+            call(GRAD[engine], a, b)
+        return type(info.value), str(info.value)
+
+    stock, ext = both(run)
+    assert stock == ext
+
+
+def test_allow_unused_and_materialize_grads():
+    def run(engine):
+        a = torch.ones(2, requires_grad=True)
+        b = torch.ones(2, requires_grad=True)
+        return (
+            GRAD[engine]((a * 2).sum(), [a, b], allow_unused=True),
+            GRAD[engine]((a * 2).sum(), [a, b], materialize_grads=True),
+        )
+
+    assert_same(*both(run))
+
+
+def test_grad_tensor_hooks_fire_on_captured_inputs():
+    def run(engine):
+        a = torch.ones(3, requires_grad=True)
+        mid = a * 2
+        log = []
+        mid.register_hook(lambda g: log.append(("mid", g.sum().item())) or g * 10)
+        a.register_hook(lambda g: log.append(("a", g.sum().item())))
+        result = GRAD[engine]((mid * mid).sum(), [mid, a])
+        return log, result
+
+    (stock_log, stock), (ext_log, ext) = both(run)
+    assert stock_log == ext_log
+    assert_same(stock, ext)
+
+
+def test_grad_is_grads_batched():
+    def run(engine):
+        x = torch.arange(3.0, requires_grad=True)
+        y = x.exp()
+        return GRAD[engine](y, x, torch.eye(3), is_grads_batched=True)
+
+    assert_same(*both(run))

@@ -1,0 +1,137 @@
+"""Importing torch_ext fails loudly, naming the torch it was built for and the one it found.
+
+Each case imports a copy of the built package (with its .so) from a temporary directory, in a
+fresh interpreter, after changing the copy's build info or engine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_ext
+
+PACKAGE_DIR = Path(torch_ext.__file__).parent
+IMPORT_TIMEOUT_S = 120
+
+# Imports torch_ext and reports the outcome on stdout.
+IMPORT_PROBE = """
+import sys
+try:
+    import torch_ext
+except ImportError as error:
+    print("ImportError:", error)
+    print("engine loaded:", "torch_ext._C" in sys.modules)
+    sys.exit(1)
+print("imported:", torch_ext.__file__)
+"""
+
+
+def _matching_build_info(package: Path) -> None:
+    _write_build_info(package, torch.__version__)
+
+
+def _other_torch_version(package: Path) -> None:
+    _write_build_info(package, "0.0.0")
+
+
+def _missing_build_info(package: Path) -> None:
+    (package / "_build_info.py").unlink()
+
+
+def _broken_engine(package: Path) -> None:
+    _write_build_info(package, torch.__version__)
+    (engine,) = package.glob("_C*.so")
+    engine.write_bytes(b"not a shared library")
+
+
+def _write_build_info(package: Path, torch_version: str) -> None:
+    (package / "_build_info.py").write_text(f"TORCH_VERSION = {torch_version!r}\n")
+
+
+@dataclass(frozen=True)
+class ImportOutcome:
+    package: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def import_outcomes(tmp_path_factory) -> dict[Callable[[Path], None], ImportOutcome]:
+    """Imports a changed copy of the built package in a fresh interpreter, for each way of changing it.
+
+    The interpreters run at once: each spends seconds importing torch.
+    """
+    running = {}
+    for change in (_matching_build_info, _other_torch_version, _missing_build_info, _broken_engine):
+        root = tmp_path_factory.mktemp(change.__name__.strip("_"))
+        package = root / "site" / "torch_ext"
+        shutil.copytree(PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__"))
+        change(package)
+        # PYTHONPATH replaced, not extended, and the working directory moved, so that only the
+        # copy can be found.
+        process = subprocess.Popen(
+            [sys.executable, "-c", IMPORT_PROBE],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(package.parent)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        running[change] = (package, process)
+    outcomes = {}
+    try:
+        for change, (package, process) in running.items():
+            stdout, stderr = process.communicate(timeout=IMPORT_TIMEOUT_S)
+            outcomes[change] = ImportOutcome(package, process.returncode, stdout, stderr)
+    finally:
+        for _, process in running.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return outcomes
+
+
+def _failed_import(outcome: ImportOutcome) -> str:
+    """The ImportError's message, asserting the import failed with one."""
+    assert outcome.returncode == 1, outcome
+    assert outcome.stdout.startswith("ImportError: "), outcome
+    return outcome.stdout
+
+
+def test_copy_with_matching_build_info_imports(import_outcomes):
+    # The control: the copy itself is importable, so the failures below come from what was changed.
+    outcome = import_outcomes[_matching_build_info]
+    assert outcome.returncode == 0, outcome
+    assert outcome.stdout.strip() == f"imported: {outcome.package / '__init__.py'}"
+
+
+def test_other_torch_version_raises_import_error_naming_both(import_outcomes):
+    report = _failed_import(import_outcomes[_other_torch_version])
+    assert "0.0.0" in report
+    assert torch.__version__ in report
+    # Checked before the engine is loaded, which against another torch fails with undefined symbols.
+    assert "engine loaded: False" in report
+
+
+def test_missing_build_info_raises_import_error(import_outcomes):
+    report = _failed_import(import_outcomes[_missing_build_info])
+    assert "_build_info.py" in report
+    assert "engine loaded: False" in report
+
+
+def test_engine_that_fails_to_load_raises_import_error_with_cause(import_outcomes):
+    outcome = import_outcomes[_broken_engine]
+    report = _failed_import(outcome)
+    assert torch.__version__ in report
+    (engine,) = outcome.package.glob("_C*.so")
+    assert engine.name in report  # the loader's own error is part of the message
