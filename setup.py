@@ -6,6 +6,7 @@ responsibility and ninja rebuilds only what changed.
 """
 
 import glob
+import json
 import os
 
 import torch
@@ -17,18 +18,22 @@ TORCH_PIN = "2.13.0"
 
 
 class BuildWithInfo(BuildExtension):
-    """Writes torch_ext/_build_info.py beside the extension: the torch it was compiled against.
+    """Writes torch_ext/_build_info.json beside the extension: the torch it was compiled against.
 
-    torch_ext/__init__.py compares it with the torch it finds at import time, so a mismatch fails
+    torch_ext/_loader.py compares it with the torch it finds at import time, so a mismatch fails
     with both versions named instead of an undefined-symbol error.
     """
 
     def run(self):
-        info_path = os.path.join(HERE, "torch_ext", "_build_info.py")
-        with open(info_path, "w") as f:
-            f.write("# Written by setup.py at build time.\n")
-            f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
         super().run()
+        targets = [os.path.join(HERE, "torch_ext")]
+        if not self.inplace:
+            targets.append(os.path.join(self.build_lib, "torch_ext"))
+        for directory in targets:
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, "_build_info.json"), "w") as f:
+                json.dump({"torch_version": torch.__version__}, f)
+                f.write("\n")
 
 
 setup(

@@ -36,6 +36,9 @@ class BackwardCall {
       variable_list root_grads,
       edge_list inputs,
       CallOptions options);
+  ~BackwardCall();
+  BackwardCall(const BackwardCall&) = delete;
+  BackwardCall& operator=(const BackwardCall&) = delete;
 
   // Discovers the graph and runs every node that must run, on the calling
   // thread. Must be called inside a stock graph task (the host task).
@@ -74,7 +77,7 @@ class BackwardCall {
   edge_list inputs_;
   CallOptions options_;
 
-  GraphPlan plan_;
+  std::unique_ptr<GraphPlan> plan_;
   ReadyQueue ready_;
   variable_list captured_;
   // Streams that produced results the caller will read (.grad, captures);

@@ -7,8 +7,6 @@
 
 #include "graph_plan.h"
 
-#include <c10/util/flat_hash_map.h>
-
 #include <algorithm>
 #include <limits>
 #include <unordered_set>
@@ -35,7 +33,7 @@ class PlanBuilder {
   // Slot of `fn`, created on first sight. Every call is one edge into `fn`.
   int32_t add_edge_to(Node* fn) {
     auto [it, inserted] =
-        slot_of_.emplace(fn, static_cast<int32_t>(plan_.slots.size()));
+        plan_.slot_of.emplace(fn, static_cast<int32_t>(plan_.slots.size()));
     if (inserted) {
       plan_.slots.emplace_back();
       plan_.slots.back().fn = fn;
@@ -52,7 +50,7 @@ class PlanBuilder {
   // it has no incoming edge and is not recorded in nodes_in_graph_.
   int32_t add_single_root(Node* fn) {
     const auto slot = static_cast<int32_t>(plan_.slots.size());
-    slot_of_.emplace(fn, slot);
+    plan_.slot_of.emplace(fn, slot);
     plan_.slots.emplace_back();
     plan_.slots.back().fn = fn;
     expand_stack_.push_back(slot);
@@ -85,16 +83,13 @@ class PlanBuilder {
   }
 
   int32_t slot_of(Node* fn) const {
-    auto it = slot_of_.find(fn);
-    return it == slot_of_.end() ? kNoSlot : it->second;
+    auto it = plan_.slot_of.find(fn);
+    return it == plan_.slot_of.end() ? kNoSlot : it->second;
   }
 
  private:
   GraphPlan& plan_;
   std::unordered_set<Node*>* nodes_in_graph_;
-  // Open addressing: std::unordered_map allocated once per node, and that
-  // allocation was a visible share of discovery (perf, 10k-node chain).
-  ska::flat_hash_map<Node*, int32_t> slot_of_;
   std::vector<int32_t> expand_stack_;
 };
 
@@ -167,12 +162,13 @@ void mark_needed(GraphPlan& plan, int32_t single_root, uint64_t min_topo_nr) {
 
 } // namespace
 
-GraphPlan discover_graph(
+void discover_graph(
+    GraphPlan& plan,
     const edge_list& roots,
     const edge_list& inputs,
     bool accumulate_grad,
     std::unordered_set<Node*>* nodes_in_graph) {
-  GraphPlan plan;
+  TORCH_INTERNAL_ASSERT(plan.slots.empty(), "discover_graph needs an empty plan");
   PlanBuilder builder(plan, nodes_in_graph);
   const bool single_root = roots.size() == 1;
   if (single_root) {
@@ -186,7 +182,7 @@ GraphPlan discover_graph(
   builder.expand_all(min_topo_nr);
 
   if (inputs.empty()) {
-    return plan;
+    return;
   }
 
   plan.filtered = true;
@@ -222,7 +218,49 @@ GraphPlan discover_graph(
   plan.captures = std::move(captures);
 
   mark_needed(plan, single_root ? plan.root_targets[0] : kNoSlot, min_topo_nr);
+}
+
+void GraphPlan::clear() {
+  slots.clear();
+  edge_targets.clear();
+  root_targets.clear();
+  captures.clear();
+  slot_of.clear();
+  filtered = false;
+}
+
+namespace {
+// A plan larger than this is freed rather than kept for the next call, so a
+// thread that once ran a huge graph does not hold its memory forever.
+constexpr size_t kMaxRecycledSlots = 1 << 16;
+// Enough for a few levels of nested backward (reentrant checkpoint).
+constexpr size_t kMaxRecycledPlans = 4;
+
+std::vector<std::unique_ptr<GraphPlan>>& recycled_plans() {
+  thread_local std::vector<std::unique_ptr<GraphPlan>> plans;
+  return plans;
+}
+} // namespace
+
+std::unique_ptr<GraphPlan> acquire_plan() {
+  auto& plans = recycled_plans();
+  if (plans.empty()) {
+    return std::make_unique<GraphPlan>();
+  }
+  auto plan = std::move(plans.back());
+  plans.pop_back();
   return plan;
+}
+
+void recycle_plan(std::unique_ptr<GraphPlan> plan) {
+  auto& plans = recycled_plans();
+  if (plan == nullptr || plan->slots.capacity() > kMaxRecycledSlots ||
+      plans.size() >= kMaxRecycledPlans) {
+    return;
+  }
+  // Gradients still buffered after an error are released here, not later.
+  plan->clear();
+  plans.push_back(std::move(plan));
 }
 
 } // namespace torch_ext

@@ -6,6 +6,7 @@ fresh interpreter, after changing the copy's build info or engine.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -44,7 +45,7 @@ def _other_torch_version(package: Path) -> None:
 
 
 def _missing_build_info(package: Path) -> None:
-    (package / "_build_info.py").unlink()
+    (package / "_build_info.json").unlink()
 
 
 def _broken_engine(package: Path) -> None:
@@ -54,7 +55,7 @@ def _broken_engine(package: Path) -> None:
 
 
 def _write_build_info(package: Path, torch_version: str) -> None:
-    (package / "_build_info.py").write_text(f"TORCH_VERSION = {torch_version!r}\n")
+    (package / "_build_info.json").write_text(json.dumps({"torch_version": torch_version}))
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def test_other_torch_version_raises_import_error_naming_both(import_outcomes):
 
 def test_missing_build_info_raises_import_error(import_outcomes):
     report = _failed_import(import_outcomes[_missing_build_info])
-    assert "_build_info.py" in report
+    assert "_build_info.json" in report
     assert "engine loaded: False" in report
 
 

@@ -1,16 +1,23 @@
 """Loads the compiled engine, failing loudly when it does not match the torch in use."""
 
 import importlib
+import json
+import os
 
 import torch
+
+# Written by setup.py beside the compiled engine. Read by path, not imported: an editable install's
+# import hook resolves torch_ext's submodules from the source tree it was installed from, which
+# would hide a copy's missing or different file.
+BUILD_INFO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_info.json")
 
 
 def _built_for() -> str | None:
     try:
-        from torch_ext._build_info import TORCH_VERSION
-    except ImportError:
+        with open(BUILD_INFO) as f:
+            return json.load(f)["torch_version"]
+    except FileNotFoundError:
         return None
-    return TORCH_VERSION
 
 
 def load_extension():
@@ -18,7 +25,7 @@ def load_extension():
     found = torch.__version__
     if built_for is None:
         raise ImportError(
-            "torch_ext's C++ engine is not built (torch_ext/_build_info.py is missing). "
+            f"torch_ext's C++ engine is not built ({BUILD_INFO} is missing). "
             "Install with: pip install --no-build-isolation -e ."
         )
     if built_for != found:
