@@ -27,8 +27,7 @@ uint64_t min_topological_nr(const edge_list& inputs) {
 
 class PlanBuilder {
  public:
-  PlanBuilder(GraphPlan& plan, std::unordered_set<Node*>* nodes_in_graph)
-      : plan_(plan), nodes_in_graph_(nodes_in_graph) {}
+  explicit PlanBuilder(GraphPlan& plan) : plan_(plan) {}
 
   // Slot of `fn`, created on first sight. Every call is one edge into `fn`.
   int32_t add_edge_to(Node* fn) {
@@ -38,16 +37,13 @@ class PlanBuilder {
       plan_.slots.emplace_back();
       plan_.slots.back().fn = fn;
       expand_stack_.push_back(it->second);
-      if (nodes_in_graph_ != nullptr) {
-        nodes_in_graph_->insert(fn);
-      }
     }
     plan_.slots[it->second].pending_edges += 1;
     return it->second;
   }
 
   // The single-root case: stock makes the root node the graph root itself, so
-  // it has no incoming edge and is not recorded in nodes_in_graph_.
+  // it has no incoming edge.
   int32_t add_single_root(Node* fn) {
     const auto slot = static_cast<int32_t>(plan_.slots.size());
     plan_.slot_of.emplace(fn, slot);
@@ -89,7 +85,6 @@ class PlanBuilder {
 
  private:
   GraphPlan& plan_;
-  std::unordered_set<Node*>* nodes_in_graph_;
   std::vector<int32_t> expand_stack_;
 };
 
@@ -169,7 +164,7 @@ void discover_graph(
     bool accumulate_grad,
     std::unordered_set<Node*>* nodes_in_graph) {
   TORCH_INTERNAL_ASSERT(plan.slots.empty(), "discover_graph needs an empty plan");
-  PlanBuilder builder(plan, nodes_in_graph);
+  PlanBuilder builder(plan);
   const bool single_root = roots.size() == 1;
   if (single_root) {
     plan.root_targets.push_back(builder.add_single_root(roots[0].function.get()));
@@ -180,6 +175,15 @@ void discover_graph(
   }
   const uint64_t min_topo_nr = min_topological_nr(inputs);
   builder.expand_all(min_topo_nr);
+  if (nodes_in_graph != nullptr) {
+    // Every node with an incoming edge, as stock's compute_dependencies
+    // records it; a single root has none. Reserving first avoids rehashing a
+    // node-based set ~log2(n) times while it grows.
+    nodes_in_graph->reserve(nodes_in_graph->size() + plan.slots.size());
+    for (size_t i = single_root ? 1 : 0; i < plan.slots.size(); ++i) {
+      nodes_in_graph->insert(plan.slots[i].fn);
+    }
+  }
 
   if (inputs.empty()) {
     return;

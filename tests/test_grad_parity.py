@@ -329,3 +329,27 @@ def test_grad_is_grads_batched():
         return GRAD[engine](y, x, torch.eye(3), is_grads_batched=True)
 
     assert_same(*both(run))
+
+
+def _func_transforms():
+    def f(x):
+        return (x.sin() * x.exp()).sum()
+
+    x = torch.tensor([0.5, -1.0, 2.0])
+    return {
+        "grad": torch.func.grad(f)(x),
+        "grad_and_value": torch.func.grad_and_value(f)(x),
+        "vjp": torch.func.vjp(lambda t: t.cos() * t, x)[1](torch.ones(3)),
+        "jacrev": torch.func.jacrev(lambda t: t.sin() * t.sum())(x),
+        "hessian": torch.func.hessian(f)(x),
+        "vmap_grad": torch.func.vmap(torch.func.grad(f))(torch.stack([x, x * 2])),
+    }
+
+
+def test_torch_func_transforms_under_enabled():
+    # torch.func's reverse-mode transforms call torch.autograd.grad inside functorch levels, so under
+    # enabled() they run on torch_ext's engine.
+    stock = _func_transforms()
+    with torch_ext.enabled():
+        ext = _func_transforms()
+    assert_same(stock, ext)
