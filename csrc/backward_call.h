@@ -35,7 +35,8 @@ class BackwardCall {
       edge_list roots,
       variable_list root_grads,
       edge_list inputs,
-      CallOptions options);
+      CallOptions options,
+      std::vector<PriorityOverride> priority_overrides);
   ~BackwardCall();
   BackwardCall(const BackwardCall&) = delete;
   BackwardCall& operator=(const BackwardCall&) = delete;
@@ -76,6 +77,7 @@ class BackwardCall {
   variable_list root_grads_;
   edge_list inputs_;
   CallOptions options_;
+  CallPriorities priorities_;
 
   std::unique_ptr<GraphPlan> plan_;
   ReadyQueue ready_;

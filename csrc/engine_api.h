@@ -12,12 +12,14 @@ namespace torch_ext {
 // the GIL. Semantics are those of torch::autograd::Engine::execute: with
 // `inputs` empty, every reachable node runs; otherwise only nodes on a path to
 // an input run, and grad() (accumulate_grad false) returns the gradient of
-// each input, undefined where none arrived.
+// each input, undefined where none arrived. `priority_overrides` apply to
+// this call only, over the priority table.
 variable_list run_backward(
     const edge_list& roots,
     variable_list root_grads,
     const edge_list& inputs,
-    CallOptions options);
+    CallOptions options,
+    std::vector<PriorityOverride> priority_overrides = {});
 
 // Anomaly mode reports the failing node's forward stack. The stack lives in
 // Python (PyAnomalyMetadata); the bindings install a copier so this C++ core

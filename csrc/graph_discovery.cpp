@@ -155,6 +155,72 @@ void mark_needed(GraphPlan& plan, int32_t single_root, uint64_t min_topo_nr) {
   }
 }
 
+// Effective priorities: a node runs with its own priority (default 0) or, if
+// higher, the highest propagating priority of any node it leads to, so every
+// node on a path from the roots to a prioritised node runs at least at that
+// node's priority. One post-order pass: children before parents.
+void assign_priorities(GraphPlan& plan, const CallPriorities& priorities) {
+  const size_t num_slots = plan.slots.size();
+  std::vector<std::optional<NodePriority>> own(num_slots);
+  bool any = false;
+  for (size_t i = 0; i < num_slots; ++i) {
+    own[i] = priorities.lookup(plan.slots[i].fn);
+    any = any || own[i].has_value();
+  }
+  if (!any) {
+    return;
+  }
+  constexpr int64_t kNothing = std::numeric_limits<int64_t>::min();
+  // below[s]: the highest propagating priority among the nodes s leads to.
+  std::vector<int64_t> below(num_slots, kNothing);
+  auto propagated_from = [&](int32_t slot) {
+    const auto& mine = own[slot];
+    const int64_t from_self =
+        mine.has_value() && mine->propagate ? mine->priority : kNothing;
+    return std::max(from_self, below[slot]);
+  };
+  auto num_edges = [&](int32_t slot) -> size_t {
+    const NodeSlot& node = plan.slots[slot];
+    return node.expanded ? node.fn->next_edges().size() : 0;
+  };
+
+  std::vector<char> visited(num_slots, 0);
+  std::vector<std::pair<int32_t, size_t>> stack; // (slot, next edge)
+  for (const int32_t root : plan.root_targets) {
+    if (visited[root]) {
+      continue;
+    }
+    visited[root] = 1;
+    stack.emplace_back(root, 0);
+    while (!stack.empty()) {
+      const int32_t slot = stack.back().first;
+      const size_t edge = stack.back().second;
+      if (edge < num_edges(slot)) {
+        ++stack.back().second;
+        const int32_t child = plan.target_of(slot, edge);
+        if (child != kNoSlot && !visited[child]) {
+          visited[child] = 1;
+          stack.emplace_back(child, 0);
+        }
+        continue;
+      }
+      for (size_t i = 0; i < num_edges(slot); ++i) {
+        const int32_t child = plan.target_of(slot, i);
+        if (child != kNoSlot) {
+          below[slot] = std::max(below[slot], propagated_from(child));
+        }
+      }
+      stack.pop_back();
+    }
+  }
+
+  plan.priority.resize(num_slots);
+  for (size_t i = 0; i < num_slots; ++i) {
+    const int64_t base = own[i].has_value() ? own[i]->priority : 0;
+    plan.priority[i] = std::max(base, below[i]);
+  }
+}
+
 } // namespace
 
 void discover_graph(
@@ -162,6 +228,7 @@ void discover_graph(
     const edge_list& roots,
     const edge_list& inputs,
     bool accumulate_grad,
+    const CallPriorities& priorities,
     std::unordered_set<Node*>* nodes_in_graph) {
   TORCH_INTERNAL_ASSERT(plan.slots.empty(), "discover_graph needs an empty plan");
   PlanBuilder builder(plan);
@@ -185,6 +252,9 @@ void discover_graph(
     }
   }
 
+  if (!priorities.empty()) {
+    assign_priorities(plan, priorities);
+  }
   if (inputs.empty()) {
     return;
   }
@@ -230,6 +300,7 @@ void GraphPlan::clear() {
   root_targets.clear();
   captures.clear();
   slot_of.clear();
+  priority.clear();
   filtered = false;
 }
 

@@ -10,6 +10,8 @@
 // restores the whole thread-local state before every node, measured at ~38%
 // of its instructions on a chain of tiny ops; see node_executor.cpp.)
 
+#include "priority_table.h"
+
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/input_buffer.h>
@@ -78,6 +80,9 @@ struct GraphPlan {
   // Whether only a subset of nodes runs (inputs= or grad()); stock's
   // "exec_info_ is not empty".
   bool filtered = false;
+  // Each slot's effective priority (its own, or the highest propagated to it
+  // from a node it leads to); empty when no priority applies to the call.
+  std::vector<int64_t> priority;
   // Node -> slot, used while discovering. Open addressing: std::unordered_map
   // allocated once per node, a visible share of discovery in perf profiles of
   // a 10k-node chain.
@@ -97,6 +102,8 @@ struct GraphPlan {
 // position (grad()), or, with `accumulate_grad`, the input's own node runs
 // (backward(inputs=...)).
 //
+// `priorities` gives each slot its effective priority (GraphPlan::priority).
+//
 // `nodes_in_graph`, when given, receives every node reached, as stock's
 // compute_dependencies fills GraphTask::nodes_in_graph_.
 void discover_graph(
@@ -104,6 +111,7 @@ void discover_graph(
     const edge_list& roots,
     const edge_list& inputs,
     bool accumulate_grad,
+    const CallPriorities& priorities,
     std::unordered_set<Node*>* nodes_in_graph);
 
 // Plans are recycled per thread: for a chain of 10k tiny ops a plan is about

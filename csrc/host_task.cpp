@@ -117,11 +117,13 @@ BackwardCall::BackwardCall(
     edge_list roots,
     variable_list root_grads,
     edge_list inputs,
-    CallOptions options)
+    CallOptions options,
+    std::vector<PriorityOverride> priority_overrides)
     : roots_(std::move(roots)),
       root_grads_(std::move(root_grads)),
       inputs_(std::move(inputs)),
-      options_(options) {
+      options_(options),
+      priorities_(std::move(priority_overrides)) {
   if (!options_.accumulate_grad) {
     captured_.resize(inputs_.size());
   }
@@ -194,7 +196,12 @@ void BackwardCall::run() {
   // register_multi_grad_hook(mode="all") see the real graph.
   plan_ = acquire_plan();
   discover_graph(
-      *plan_, roots_, inputs_, options_.accumulate_grad, host_nodes_in_graph);
+      *plan_,
+      roots_,
+      inputs_,
+      options_.accumulate_grad,
+      priorities_,
+      host_nodes_in_graph);
   publish_plan_to_host_task();
   caller_streams_ = current_accelerator_streams();
   // Gradients are accumulated (InputBuffer) and nodes run with grad mode
@@ -239,7 +246,8 @@ variable_list run_backward(
     const edge_list& roots,
     variable_list root_grads,
     const edge_list& inputs,
-    CallOptions options) {
+    CallOptions options,
+    std::vector<PriorityOverride> priority_overrides) {
   torch::autograd::validate_outputs(
       roots, root_grads, [](const std::string& msg) { return msg; });
   TORCH_CHECK(
@@ -260,7 +268,12 @@ variable_list run_backward(
     at::sequence_number::get_and_increment();
   }
 
-  BackwardCall call(roots, std::move(root_grads), inputs, options);
+  BackwardCall call(
+      roots,
+      std::move(root_grads),
+      inputs,
+      options,
+      std::move(priority_overrides));
   auto driver = c10::make_intrusive<BackwardDriver>(call);
   // Plain backward(): no host outputs, so the host's exec_info stays empty;
   // a non-empty exec_info makes can_checkpoint() false and reentrant

@@ -157,9 +157,9 @@ void BackwardCall::deliver(
   slot.inputs->add(
       input_nr, std::move(grad), producer_stream, slot.fn->stream(), slot.fn);
   if (ready) {
-    // Default priority until the priority table lands; equal priorities keep
-    // stock's order.
-    ready_.push({/*priority=*/0, slot.fn->sequence_nr(), target});
+    const int64_t priority =
+        plan_->priority.empty() ? 0 : plan_->priority[target];
+    ready_.push({priority, slot.fn->sequence_nr(), target});
   }
 }
 

@@ -20,21 +20,59 @@
 namespace torch_ext {
 namespace {
 
+// The C++ node behind a torch.autograd.graph.Node, or null if `obj` is none.
+c10::intrusive_ptr<Node> node_of(PyObject* obj) {
+  if (THPFunction_Check(obj)) {
+    return reinterpret_cast<THPFunction*>(obj)->cdata;
+  }
+  if (torch::autograd::THPCppFunction_Check(obj)) {
+    return reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata;
+  }
+  return {};
+}
+
 Edge parse_gradient_edge(PyObject* obj) {
   PyObject* grad_fn = PyTuple_GetItem(obj, 0);
   const auto output_nr = THPUtils_unpackLong(PyTuple_GetItem(obj, 1));
-  c10::intrusive_ptr<Node> node;
-  if (THPFunction_Check(grad_fn)) {
-    node = reinterpret_cast<THPFunction*>(grad_fn)->cdata;
-  } else if (torch::autograd::THPCppFunction_Check(grad_fn)) {
-    node = reinterpret_cast<torch::autograd::THPCppFunction*>(grad_fn)->cdata;
-  } else {
-    TORCH_CHECK(
-        false,
-        "GradientEdge's first object must be an autograd.graph.Node but got ",
-        THPUtils_typename(grad_fn));
-  }
+  auto node = node_of(grad_fn);
+  TORCH_CHECK(
+      node,
+      "GradientEdge's first object must be an autograd.graph.Node but got ",
+      THPUtils_typename(grad_fn));
   return Edge(std::move(node), static_cast<uint32_t>(output_nr));
+}
+
+c10::intrusive_ptr<Node> checked_node_of(PyObject* obj) {
+  auto node = node_of(obj);
+  TORCH_CHECK_TYPE(
+      node,
+      "expected a torch.autograd.graph.Node, but got ",
+      THPUtils_typename(obj));
+  return node;
+}
+
+// [(node, priority, propagate), ...] as built by torch_ext.priority.
+std::vector<PriorityOverride> parse_priority_overrides(PyObject* overrides) {
+  std::vector<PriorityOverride> parsed;
+  if (overrides == nullptr || overrides == Py_None) {
+    return parsed;
+  }
+  THPObjectPtr items{PySequence_Fast(overrides, "priorities must be a sequence")};
+  if (!items) {
+    throw python_error();
+  }
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(items.get());
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(items.get(), i);
+    TORCH_CHECK_TYPE(
+        PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 3,
+        "priorities must hold (node, priority, propagate) tuples");
+    NodePriority priority;
+    priority.priority = THPUtils_unpackLong(PyTuple_GET_ITEM(item, 1));
+    priority.propagate = PyObject_IsTrue(PyTuple_GET_ITEM(item, 2)) == 1;
+    parsed.push_back({checked_node_of(PyTuple_GET_ITEM(item, 0)), priority});
+  }
+  return parsed;
 }
 
 void check_not_batched(const at::Tensor& tensor, const char* what, size_t i) {
@@ -60,6 +98,7 @@ PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs
   PyObject* inputs = nullptr;
   unsigned char allow_unreachable = 0;
   unsigned char accumulate_grad = 0;
+  PyObject* priorities = nullptr;
   constexpr const char* accepted_kwargs[] = {
       "tensors",
       "grad_tensors",
@@ -68,11 +107,12 @@ PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs
       "inputs",
       "allow_unreachable",
       "accumulate_grad",
+      "priorities",
       nullptr};
   if (!PyArg_ParseTupleAndKeywords(
           args,
           kwargs,
-          "OObb|Obb",
+          "OObb|ObbO",
           const_cast<char**>(accepted_kwargs),
           &tensors,
           &grad_tensors,
@@ -80,7 +120,8 @@ PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs
           &create_graph,
           &inputs,
           &allow_unreachable,
-          &accumulate_grad)) {
+          &accumulate_grad,
+          &priorities)) {
     return nullptr;
   }
   TORCH_CHECK(
@@ -180,6 +221,8 @@ PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs
     }
   }
 
+  auto priority_overrides = parse_priority_overrides(priorities);
+
   variable_list results;
   {
     pybind11::gil_scoped_release no_gil;
@@ -189,7 +232,8 @@ PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs
         input_edges,
         {static_cast<bool>(keep_graph),
          static_cast<bool>(create_graph),
-         static_cast<bool>(accumulate_grad)});
+         static_cast<bool>(accumulate_grad)},
+        std::move(priority_overrides));
   }
 
   if (!backward_api_called && inputs != nullptr) {
@@ -213,6 +257,40 @@ PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* py_set_priority(PyObject* /*module*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* node = nullptr;
+  long long priority = 0;
+  int propagate = 1;
+  if (!PyArg_ParseTuple(args, "OLp", &node, &priority, &propagate)) {
+    return nullptr;
+  }
+  set_node_priority(
+      checked_node_of(node),
+      {static_cast<int64_t>(priority), static_cast<bool>(propagate)});
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_clear_priority(PyObject* /*module*/, PyObject* node) {
+  HANDLE_TH_ERRORS
+  return PyBool_FromLong(clear_node_priority(checked_node_of(node).get()));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_get_priority(PyObject* /*module*/, PyObject* node) {
+  HANDLE_TH_ERRORS
+  const auto priority = node_priority(checked_node_of(node).get());
+  if (!priority.has_value()) {
+    Py_RETURN_NONE;
+  }
+  return Py_BuildValue(
+      "(LO)",
+      static_cast<long long>(priority->priority),
+      priority->propagate ? Py_True : Py_False);
+  END_HANDLE_TH_ERRORS
+}
+
 // Copies a node's forward stack (and parent chain) for anomaly mode's report.
 void copy_anomaly_metadata(Node& from, Node& to) {
   pybind11::gil_scoped_acquire gil;
@@ -229,8 +307,21 @@ PyMethodDef methods[] = {
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run_backward)),
      METH_VARARGS | METH_KEYWORDS,
      "run_backward(tensors, grad_tensors, keep_graph, create_graph, inputs=None, "
-     "allow_unreachable=False, accumulate_grad=False): "
-     "torch._C._EngineBase.run_backward on torch_ext's engine."},
+     "allow_unreachable=False, accumulate_grad=False, priorities=None): "
+     "torch._C._EngineBase.run_backward on torch_ext's engine; priorities: "
+     "[(node, priority, propagate)] for this call."},
+    {"set_priority",
+     py_set_priority,
+     METH_VARARGS,
+     "set_priority(node, priority, propagate): record a node's priority."},
+    {"clear_priority",
+     py_clear_priority,
+     METH_O,
+     "clear_priority(node) -> bool: forget a node's priority."},
+    {"get_priority",
+     py_get_priority,
+     METH_O,
+     "get_priority(node) -> (priority, propagate) or None."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {

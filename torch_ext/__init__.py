@@ -5,5 +5,19 @@ for and the one it found) when that is not possible; see torch_ext/_loader.py.
 """
 
 from torch_ext.engine import Engine, backward, disable, enable, enabled, grad, is_enabled
+from torch_ext.priority import LAUNCH_FIRST, clear_priority, get_priority, launch_first, set_priority
 
-__all__ = ["Engine", "backward", "disable", "enable", "enabled", "grad", "is_enabled"]
+__all__ = [
+    "LAUNCH_FIRST",
+    "Engine",
+    "backward",
+    "clear_priority",
+    "disable",
+    "enable",
+    "enabled",
+    "get_priority",
+    "grad",
+    "is_enabled",
+    "launch_first",
+    "set_priority",
+]

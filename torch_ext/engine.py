@@ -15,6 +15,7 @@ from torch.autograd.variable import Variable
 from torch.overrides import handle_torch_function, has_torch_function, is_tensor_like
 
 from torch_ext._loader import load_extension
+from torch_ext.priority import priority_overrides
 
 _C = load_extension()
 
@@ -115,6 +116,8 @@ def backward(
     create_graph: bool = False,
     grad_variables=None,
     inputs=None,
+    *,
+    priorities=None,
 ) -> None:
     """``torch.autograd.backward`` on torch_ext's engine: same arguments, semantics and errors.
 
@@ -125,6 +128,8 @@ def backward(
         create_graph: record the backward pass itself, for higher-order gradients.
         grad_variables: deprecated alias of ``grad_tensors``.
         inputs: accumulate into the ``.grad`` of these only (tensors, GradientEdges or a dict of tensors).
+        priorities: ``{tensor, Node or GradientEdge: int}`` for this call only, over
+            :func:`torch_ext.set_priority`'s (propagated; see torch_ext.priority).
     """
     if torch._C._are_functorch_transforms_active():
         raise RuntimeError(
@@ -157,10 +162,11 @@ def backward(
             create_graph=create_graph,
             inputs=inputs_tuple if inputs is not None else None,
         )
+    overrides = priority_overrides(priorities, "backward")
     grads = _make_root_grads(tensors, grad_tensors, is_grads_batched=False)
     if retain_graph is None:
         retain_graph = create_graph
-    _C.run_backward(tensors, grads, retain_graph, create_graph, inputs_tuple, True, True)
+    _C.run_backward(tensors, grads, retain_graph, create_graph, inputs_tuple, True, True, overrides)
 
 
 def grad(
@@ -173,12 +179,15 @@ def grad(
     allow_unused: bool | None = None,
     is_grads_batched: bool = False,
     materialize_grads: bool = False,
+    *,
+    priorities=None,
 ):
     """``torch.autograd.grad`` on torch_ext's engine: same arguments, semantics and errors.
 
     Only the nodes on a path from ``outputs`` to ``inputs`` run, and nodes skip the gradients nobody
     asked for (``grad(x)`` of an MLP computes no weight gradients). Returns a tuple with the gradient
     of each input (``None`` where unused and ``allow_unused``), or a dict when ``inputs`` is a dict.
+    ``priorities`` is as for :func:`backward`.
     """
     if materialize_grads and allow_unused is False:
         raise ValueError(
@@ -214,17 +223,20 @@ def grad(
             FutureWarning,
             stacklevel=2,
         )
+    overrides = priority_overrides(priorities, "grad")
     grads = _make_root_grads(outputs, grad_outputs, is_grads_batched=is_grads_batched)
     if retain_graph is None:
         retain_graph = create_graph
+
+    def vjp(grad_batch):
+        return _C.run_backward(
+            outputs, grad_batch, retain_graph, create_graph, inputs_tuple, allow_unused, False, overrides
+        )
+
     if is_grads_batched:
-
-        def vjp(grad_batch):
-            return _C.run_backward(outputs, grad_batch, retain_graph, create_graph, inputs_tuple, allow_unused, False)
-
         result = _vmap_internals._vmap(vjp, 0, 0, allow_none_pass_through=True)(grads)
     else:
-        result = _C.run_backward(outputs, grads, retain_graph, create_graph, inputs_tuple, allow_unused, False)
+        result = vjp(grads)
     if materialize_grads:
         if any(r is None and not is_tensor_like(inp) for r, inp in zip(result, inputs_tuple, strict=True)):
             raise RuntimeError("materialize_grads cannot be used when the given input is a GradientEdge")

@@ -1,0 +1,88 @@
+// The process-wide priority table and its per-call snapshot.
+
+#include "priority_table.h"
+
+#include <c10/util/flat_hash_map.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+namespace torch_ext {
+namespace {
+
+using torch::autograd::Node;
+
+struct TableEntry {
+  // Weak: the table must not keep a graph alive. While the entry exists the
+  // node's memory is not reused, so a new node never inherits a dead node's
+  // priority; dead entries are swept when the table is read.
+  c10::weak_intrusive_ptr<Node> node;
+  NodePriority priority;
+};
+
+std::mutex table_mutex;
+std::unordered_map<Node*, TableEntry> table;
+// Read without the lock on every backward call: empty means nothing to do.
+std::atomic<size_t> table_size{0};
+
+// Table size after the last sweep: entries of dead nodes are swept when the
+// table has doubled since, so sweeping costs O(1) amortized per insertion.
+size_t size_after_sweep = 0;
+
+void sweep_dead_entries_locked() {
+  for (auto it = table.begin(); it != table.end();) {
+    it = it->second.node.expired() ? table.erase(it) : std::next(it);
+  }
+  size_after_sweep = table.size();
+}
+
+} // namespace
+
+void set_node_priority(
+    const c10::intrusive_ptr<Node>& node,
+    NodePriority priority) {
+  std::lock_guard<std::mutex> lock(table_mutex);
+  table.insert_or_assign(
+      node.get(), TableEntry{c10::weak_intrusive_ptr<Node>(node), priority});
+  if (table.size() >= 2 * size_after_sweep + 64) {
+    sweep_dead_entries_locked();
+  }
+  table_size.store(table.size(), std::memory_order_release);
+}
+
+bool clear_node_priority(Node* node) {
+  std::lock_guard<std::mutex> lock(table_mutex);
+  const bool erased = table.erase(node) > 0;
+  table_size.store(table.size(), std::memory_order_release);
+  return erased;
+}
+
+std::optional<NodePriority> node_priority(Node* node) {
+  std::lock_guard<std::mutex> lock(table_mutex);
+  auto it = table.find(node);
+  if (it == table.end() || it->second.node.expired()) {
+    return std::nullopt;
+  }
+  return it->second.priority;
+}
+
+CallPriorities::CallPriorities(std::vector<PriorityOverride> overrides)
+    : overrides_(std::move(overrides)),
+      table_has_entries_(table_size.load(std::memory_order_acquire) > 0) {}
+
+std::optional<NodePriority> CallPriorities::lookup(Node* node) const {
+  // Later overrides of the same node win, as in a dict.
+  for (auto it = overrides_.rbegin(); it != overrides_.rend(); ++it) {
+    if (it->node.get() == node) {
+      return it->priority;
+    }
+  }
+  if (!table_has_entries_) {
+    return std::nullopt;
+  }
+  return node_priority(node);
+}
+
+} // namespace torch_ext

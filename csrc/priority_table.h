@@ -1,0 +1,56 @@
+#pragma once
+
+// Backward priorities set with torch_ext.set_priority.
+//
+// Stock's only lever is grad_fn._set_sequence_nr, which rewrites the number the
+// profiler uses to link backward nodes to forward ops and boosts one node only
+// once it is ready. torch_ext keeps priorities in this table instead: keyed by
+// node, never touching sequence_nr, and an entry lives as long as its node.
+
+#include <torch/csrc/autograd/function.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace torch_ext {
+
+struct NodePriority {
+  int64_t priority = 0;
+  // Whether every node on a path from the roots to this one runs with at
+  // least this priority, so the engine drives straight to it.
+  bool propagate = true;
+};
+
+void set_node_priority(
+    const c10::intrusive_ptr<torch::autograd::Node>& node,
+    NodePriority priority);
+// Whether the node had a priority.
+bool clear_node_priority(torch::autograd::Node* node);
+std::optional<NodePriority> node_priority(torch::autograd::Node* node);
+
+// A priority given for one call only (backward(..., priorities=...)); it
+// overrides the table's entry for that node.
+struct PriorityOverride {
+  c10::intrusive_ptr<torch::autograd::Node> node;
+  NodePriority priority;
+};
+
+// The table's entries and `overrides` for the nodes of one call, or nothing
+// when no priority applies (the common case, which costs one atomic load).
+class CallPriorities {
+ public:
+  explicit CallPriorities(std::vector<PriorityOverride> overrides);
+
+  bool empty() const {
+    return overrides_.empty() && !table_has_entries_;
+  }
+
+  std::optional<NodePriority> lookup(torch::autograd::Node* node) const;
+
+ private:
+  std::vector<PriorityOverride> overrides_;
+  bool table_has_entries_;
+};
+
+} // namespace torch_ext
