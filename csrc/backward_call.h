@@ -37,7 +37,6 @@ class BackwardCall {
       edge_list inputs,
       CallOptions options,
       std::vector<PriorityOverride> priority_overrides);
-  ~BackwardCall();
   BackwardCall(const BackwardCall&) = delete;
   BackwardCall& operator=(const BackwardCall&) = delete;
 
@@ -79,7 +78,7 @@ class BackwardCall {
   CallOptions options_;
   CallPriorities priorities_;
 
-  std::unique_ptr<GraphPlan> plan_;
+  GraphPlan plan_;
   ReadyQueue ready_;
   variable_list captured_;
   // Streams that produced results the caller will read (.grad, captures);

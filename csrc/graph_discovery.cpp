@@ -294,48 +294,4 @@ void discover_graph(
   mark_needed(plan, single_root ? plan.root_targets[0] : kNoSlot, min_topo_nr);
 }
 
-void GraphPlan::clear() {
-  slots.clear();
-  edge_targets.clear();
-  root_targets.clear();
-  captures.clear();
-  slot_of.clear();
-  priority.clear();
-  filtered = false;
-}
-
-namespace {
-// A plan larger than this is freed rather than kept for the next call, so a
-// thread that once ran a huge graph does not hold its memory forever.
-constexpr size_t kMaxRecycledSlots = 1 << 16;
-// Enough for a few levels of nested backward (reentrant checkpoint).
-constexpr size_t kMaxRecycledPlans = 4;
-
-std::vector<std::unique_ptr<GraphPlan>>& recycled_plans() {
-  thread_local std::vector<std::unique_ptr<GraphPlan>> plans;
-  return plans;
-}
-} // namespace
-
-std::unique_ptr<GraphPlan> acquire_plan() {
-  auto& plans = recycled_plans();
-  if (plans.empty()) {
-    return std::make_unique<GraphPlan>();
-  }
-  auto plan = std::move(plans.back());
-  plans.pop_back();
-  return plan;
-}
-
-void recycle_plan(std::unique_ptr<GraphPlan> plan) {
-  auto& plans = recycled_plans();
-  if (plan == nullptr || plan->slots.capacity() > kMaxRecycledSlots ||
-      plans.size() >= kMaxRecycledPlans) {
-    return;
-  }
-  // Gradients still buffered after an error are released here, not later.
-  plan->clear();
-  plans.push_back(std::move(plan));
-}
-
 } // namespace torch_ext

@@ -19,7 +19,6 @@
 #include <c10/util/flat_hash_map.h>
 
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <unordered_set>
 #include <vector>
@@ -88,9 +87,6 @@ struct GraphPlan {
   // a 10k-node chain.
   ska::flat_hash_map<Node*, int32_t> slot_of;
 
-  // Empties the plan for another call, keeping its storage.
-  void clear();
-
   int32_t target_of(int32_t slot, size_t edge_index) const {
     return edge_targets[slots[slot].first_edge + edge_index];
   }
@@ -113,11 +109,5 @@ void discover_graph(
     bool accumulate_grad,
     const CallPriorities& priorities,
     std::unordered_set<Node*>* nodes_in_graph);
-
-// Plans are recycled per thread: for a chain of 10k tiny ops a plan is about
-// 1 MB in a few vectors and a hash map, and allocating and freeing them on
-// every call showed in profiles as malloc/free and glibc's malloc_consolidate.
-std::unique_ptr<GraphPlan> acquire_plan();
-void recycle_plan(std::unique_ptr<GraphPlan> plan);
 
 } // namespace torch_ext

@@ -129,12 +129,8 @@ BackwardCall::BackwardCall(
   }
 }
 
-BackwardCall::~BackwardCall() {
-  recycle_plan(std::move(plan_));
-}
-
 void BackwardCall::publish_plan_to_host_task() {
-  if (!plan_->filtered) {
+  if (!plan_.filtered) {
     return;
   }
   // The host task was given one output (the driver) so that its exec_info is
@@ -146,8 +142,8 @@ void BackwardCall::publish_plan_to_host_task() {
       const_cast<std::unordered_map<Node*, GraphTask::ExecInfo>*>(
           torch::autograd::get_current_graph_task_exec_info());
   TORCH_INTERNAL_ASSERT(exec_info != nullptr && !exec_info->empty());
-  for (size_t i = 0; i < plan_->slots.size(); ++i) {
-    const NodeSlot& slot = plan_->slots[i];
+  for (size_t i = 0; i < plan_.slots.size(); ++i) {
+    const NodeSlot& slot = plan_.slots[i];
     if (!slot.should_execute()) {
       continue;
     }
@@ -156,11 +152,11 @@ void BackwardCall::publish_plan_to_host_task() {
     if (slot.first_capture != kNoSlot) {
       info.captures_ =
           std::make_unique<std::vector<GraphTask::ExecInfo::Capture>>();
-      for (size_t c = slot.first_capture; c < plan_->captures.size() &&
-           plan_->captures[c].slot == static_cast<int32_t>(i);
+      for (size_t c = slot.first_capture; c < plan_.captures.size() &&
+           plan_.captures[c].slot == static_cast<int32_t>(i);
            ++c) {
         info.captures_->emplace_back(
-            plan_->captures[c].input_nr, plan_->captures[c].output_index);
+            plan_.captures[c].input_nr, plan_.captures[c].output_index);
       }
     }
   }
@@ -170,7 +166,7 @@ void BackwardCall::seed_roots() {
   if (roots_.size() == 1) {
     // Stock makes a single root the graph root and runs it whether or not
     // grad()/inputs= needs it (it then runs only its tensor pre-hooks).
-    NodeSlot& root = plan_->slots[plan_->root_targets[0]];
+    NodeSlot& root = plan_.slots[plan_.root_targets[0]];
     root.pending_edges = 1;
     root.inputs.emplace(make_input_buffer(*root.fn));
   }
@@ -179,7 +175,7 @@ void BackwardCall::seed_roots() {
   for (size_t i = 0; i < roots_.size(); ++i) {
     const auto stream = producer_stream_of(root_grads_[i]);
     deliver(
-        plan_->root_targets[i],
+        plan_.root_targets[i],
         roots_[i].input_nr,
         std::move(root_grads_[i]),
         stream);
@@ -194,9 +190,8 @@ void BackwardCall::run() {
       "torch_ext's engine ran outside its host graph task");
   // Filling the host's nodes_in_graph makes _will_engine_execute_node and
   // register_multi_grad_hook(mode="all") see the real graph.
-  plan_ = acquire_plan();
   discover_graph(
-      *plan_,
+      plan_,
       roots_,
       inputs_,
       options_.accumulate_grad,
@@ -219,7 +214,7 @@ void BackwardCall::run() {
     }
   } catch (...) {
     if (running != kNoSlot) {
-      failed_node_ = plan_->slots[running].fn;
+      failed_node_ = plan_.slots[running].fn;
     }
     throw;
   }

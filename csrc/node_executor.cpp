@@ -144,7 +144,7 @@ void BackwardCall::deliver(
     uint32_t input_nr,
     at::Tensor&& grad,
     const std::optional<c10::Stream>& producer_stream) {
-  NodeSlot& slot = plan_->slots[target];
+  NodeSlot& slot = plan_.slots[target];
   const bool ready = --slot.pending_edges == 0;
   if (!slot.inputs) {
     if (!slot.should_execute()) {
@@ -158,13 +158,13 @@ void BackwardCall::deliver(
       input_nr, std::move(grad), producer_stream, slot.fn->stream(), slot.fn);
   if (ready) {
     const int64_t priority =
-        plan_->priority.empty() ? 0 : plan_->priority[target];
+        plan_.priority.empty() ? 0 : plan_.priority[target];
     ready_.push({priority, slot.fn->sequence_nr(), target});
   }
 }
 
 void BackwardCall::execute_node(int32_t index) {
-  NodeSlot& slot = plan_->slots[index];
+  NodeSlot& slot = plan_.slots[index];
   Node& fn = *slot.fn;
   InputBuffer inputs = std::move(*slot.inputs);
   slot.inputs.reset();
@@ -188,7 +188,7 @@ void BackwardCall::execute_node(int32_t index) {
   c10::OptionalStreamGuard node_stream_guard{node_stream};
   wait_for_ready_inputs(inputs, node_stream);
 
-  if (plan_->filtered) {
+  if (plan_.filtered) {
     variable_list seen_inputs = inputs.buffer;
     if (!slot.needed) {
       // Captured but not run: its tensor pre-hooks still see the gradient
@@ -198,9 +198,9 @@ void BackwardCall::execute_node(int32_t index) {
     }
     if (slot.first_capture != kNoSlot) {
       for (size_t c = slot.first_capture;
-           c < plan_->captures.size() && plan_->captures[c].slot == index;
+           c < plan_.captures.size() && plan_.captures[c].slot == index;
            ++c) {
-        const Capture& capture = plan_->captures[c];
+        const Capture& capture = plan_.captures[c];
         captured_[capture.output_index] = seen_inputs[capture.input_nr];
         if (node_stream) {
           leaf_streams_.insert(*node_stream);
@@ -229,7 +229,7 @@ void BackwardCall::execute_node(int32_t index) {
     check_outputs_for_nan(fn, outputs);
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
-    const int32_t target = plan_->target_of(index, i);
+    const int32_t target = plan_.target_of(index, i);
     if (target == kNoSlot) {
       continue;
     }
