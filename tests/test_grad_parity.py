@@ -353,3 +353,21 @@ def test_torch_func_transforms_under_enabled():
     with torch_ext.enabled():
         ext = _func_transforms()
     assert_same(stock, ext)
+
+
+def test_compiled_autograd_falls_back_to_stock_engine():
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    def run(use_torch_ext):
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(4, 4)
+        loss = linear(torch.randn(2, 4)).tanh().sum()
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            if use_torch_ext:
+                with torch_ext.enabled():
+                    loss.backward()
+            else:
+                loss.backward()
+        return [p.grad for p in linear.parameters()]
+
+    assert_same(run(False), run(True))
