@@ -14,14 +14,18 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 CSV_COLUMNS = ("what", "case", "size", "metric", "median", "p20", "p80", "torch_version", "git_sha")
 
 
-def timed_ns(fn: Callable[..., object], *args: object) -> int:
-    """Wall time of ``fn(*args)`` in nanoseconds, with Python's cyclic GC off during the call.
+def timed_call(fn: Callable[..., T], *args: object, **kwargs: object) -> tuple[int, T]:
+    """Wall time of ``fn(*args, **kwargs)`` in nanoseconds, and its result, with Python's cyclic GC
+    off during the call.
 
     A collection is triggered by allocations anywhere in the process (here mostly the graph-building
     forward), so leaving the GC on would charge an unrelated pass to whichever call happened to
@@ -32,8 +36,8 @@ def timed_ns(fn: Callable[..., object], *args: object) -> int:
     gc.disable()
     try:
         start = time.perf_counter_ns()
-        fn(*args)
-        return time.perf_counter_ns() - start
+        result = fn(*args, **kwargs)
+        return time.perf_counter_ns() - start, result
     finally:
         if gc_was_enabled:
             gc.enable()

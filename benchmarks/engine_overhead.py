@@ -1,4 +1,4 @@
-"""Backward wall time per autograd node: stock PyTorch's engine against torch_ext's.
+"""Backward and grad() wall time per autograd node: stock PyTorch's engine against torch_ext's.
 
 Graphs (in the first two every node works on 4 elements, so what is measured is per-node cost:
 the engine's bookkeeping plus each node's own dispatch and allocations, which perf put at 30-46% of
@@ -18,17 +18,33 @@ either engine's time; the MLP shows how much of the difference survives next to 
          the torch.equal check below also checks the execution order.
   mlp    32 x (Linear(64, 64) + tanh), batch 8, loss = output.sum().
 
-Method: stock (``torch.autograd.backward``) and torch_ext (``torch_ext.backward``) alternate in
-one process, stock first in every repetition, after warmup repetitions that are not recorded.
-The graph is rebuilt (forward, untimed) before every timed backward and leaf gradients are reset
-to None, so every timed call does the same work; only the backward call is timed
-(time.perf_counter_ns), with Python's cyclic GC disabled during it and re-enabled between calls.
-The graph is freed after the timer stops. Before timing, both engines must give torch.equal
-gradients on every graph, or the script fails. Nodes are counted once per graph by walking
-grad_fn.next_functions (unique nodes, AccumulateGrad included): all of them run in a plain
-backward(). Reported per graph: median, 20th and 80th percentile of us/node for each engine,
-and the torch_ext/stock ratio (of the medians in the table; of each stock/torch_ext pair in the
-CSV's ``torch_ext/stock`` rows, whose spread shows how much the noise cancels between neighbours).
+What each engine is asked to do, per graph:
+
+  chain, fanin, mlp    ``backward(loss)``: every node runs.
+  mlp_grad_x           ``grad(loss, x)`` with the MLP's input x requiring grad: the pruning case.
+                       Only the nodes on a path to x run (no AccumulateGrad of a weight or bias, no
+                       TBackward0), each AddmmBackward0 skips its weight and bias gradients
+                       (task_should_compute_output), and x's AccumulateGrad only captures.
+  mlp_double           ``grad(loss, weights and biases, create_graph=True)``, then ``backward`` of
+                       the squared gradient norm (sum of ``g.pow(2).sum()``): the first call records
+                       its backward pass, the second runs that double-backward graph, whose nodes
+                       also reach back into the forward graph. The two calls are timed and summed;
+                       building the norm between them (the same ops for both engines) is not timed.
+
+Method: stock (``torch.autograd.backward`` / ``torch.autograd.grad``) and torch_ext
+(``torch_ext.backward`` / ``torch_ext.grad``) alternate in one process, stock first in every
+repetition, after warmup repetitions that are not recorded. The graph is rebuilt (forward,
+untimed) before every timed call and leaf gradients are reset to None, so every timed call does the
+same work; only the engine calls are timed (time.perf_counter_ns), with Python's cyclic GC disabled
+during them and re-enabled between calls. The graph is freed after the timer stops. Before timing,
+both engines must give torch.equal results on every graph (the leaves' .grad after backward, the
+returned gradients of grad(), both for mlp_double), or the script fails. Nodes are counted once per
+graph by walking grad_fn.next_functions (unique nodes, AccumulateGrad included): for backward, every
+node reachable from the loss; for grad(), the nodes on a path from the loss to an input (those that
+run or capture); for mlp_double, those of the grad() call plus every node reachable from the
+squared norm. Reported per graph: median, 20th and 80th percentile of us/node for each engine, and
+the torch_ext/stock ratio (of the medians in the table; of each stock/torch_ext pair in the CSV's
+``torch_ext/stock`` rows, whose spread shows how much the noise cancels between neighbours).
 
     python benchmarks/engine_overhead.py [--quick] [--reps N] [--out results/engine_overhead.csv]
 """
@@ -39,17 +55,27 @@ import argparse
 import dataclasses
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from _common import Summary, csv_row, git_sha, summarize, timed_ns, write_csv
+from _common import Summary, csv_row, git_sha, summarize, timed_call, write_csv
+from torch.autograd.graph import get_gradient_edge
 
 import torch_ext
 
-ENGINES: tuple[tuple[str, Callable[[torch.Tensor], None]], ...] = (
-    ("stock", torch.autograd.backward),
-    ("torch_ext", torch_ext.backward),
+
+@dataclass(frozen=True)
+class EngineApi:
+    name: str
+    backward: Callable
+    grad: Callable
+
+
+ENGINES: tuple[EngineApi, ...] = (
+    EngineApi("stock", torch.autograd.backward, torch.autograd.grad),
+    EngineApi("torch_ext", torch_ext.backward, torch_ext.grad),
 )
 # Unrecorded repetitions (of each engine) before timing: the first backward on a new graph shape
 # pays for allocator growth and cold caches.
@@ -64,14 +90,111 @@ DEFAULT_THREADS = 1
 
 @dataclass
 class Graph:
+    # Tensors whose .grad is reset before every call (and compared after backward()).
     leaves: list[torch.Tensor]
     root: torch.Tensor
+    # What grad() differentiates with respect to.
+    inputs: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class CallResult:
+    elapsed_ns: int
+    # Compared between the engines with torch.equal.
+    tensors: list[torch.Tensor | None]
+
+
+def backward_call(engine: EngineApi, graph: Graph) -> CallResult:
+    elapsed, _ = timed_call(engine.backward, graph.root)
+    return CallResult(elapsed, [leaf.grad for leaf in graph.leaves])
+
+
+def grad_call(engine: EngineApi, graph: Graph) -> CallResult:
+    elapsed, grads = timed_call(engine.grad, graph.root, graph.inputs)
+    return CallResult(elapsed, list(grads))
+
+
+def squared_norm(tensors) -> torch.Tensor:
+    return sum(t.pow(2).sum() for t in tensors)
+
+
+def double_backward_call(engine: EngineApi, graph: Graph) -> CallResult:
+    first, grads = timed_call(engine.grad, graph.root, graph.inputs, create_graph=True)
+    # Not timed: the same forward ops for both engines.
+    penalty = squared_norm(grads)
+    second, _ = timed_call(engine.backward, penalty)
+    return CallResult(first + second, [g.detach() for g in grads] + [leaf.grad for leaf in graph.leaves])
+
+
+def count_nodes(root: torch.Tensor) -> int:
+    """Unique nodes reachable from ``root.grad_fn``: the nodes a plain backward() runs."""
+    seen = {root.grad_fn}
+    stack = [root.grad_fn]
+    while stack:
+        for fn, _ in stack.pop().next_functions:
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                stack.append(fn)
+    return len(seen)
+
+
+def count_nodes_to_inputs(root: torch.Tensor, inputs: list[torch.Tensor]) -> int:
+    """Unique nodes on a path from ``root.grad_fn`` to the gradient node of an input (inputs' own
+    nodes included): the nodes grad() runs or captures at."""
+    parents: defaultdict[object, list] = defaultdict(list)
+    seen = {root.grad_fn}
+    stack = [root.grad_fn]
+    while stack:
+        fn = stack.pop()
+        for child, _ in fn.next_functions:
+            if child is None:
+                continue
+            parents[child].append(fn)
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    on_path = {node for node in (get_gradient_edge(t).node for t in inputs) if node in seen}
+    stack = list(on_path)
+    while stack:
+        for parent in parents[stack.pop()]:
+            if parent not in on_path:
+                on_path.add(parent)
+                stack.append(parent)
+    return len(on_path)
+
+
+def count_double_backward_nodes(graph: Graph) -> int:
+    first = count_nodes_to_inputs(graph.root, graph.inputs)
+    grads = torch.autograd.grad(graph.root, graph.inputs, create_graph=True)
+    return first + count_nodes(squared_norm(grads))
+
+
+@dataclass(frozen=True)
+class Call:
+    """One way of asking an engine for gradients: how to time it and how many nodes it runs."""
+
+    label: str
+    # The CSV metric of the call's wall time.
+    metric: str
+    run: Callable[[EngineApi, Graph], CallResult]
+    count_nodes: Callable[[Graph], int]
+
+
+BACKWARD = Call("backward(loss)", "backward_us", backward_call, lambda graph: count_nodes(graph.root))
+GRAD = Call("grad(loss, x)", "grad_us", grad_call, lambda graph: count_nodes_to_inputs(graph.root, graph.inputs))
+DOUBLE_BACKWARD = Call(
+    "grad(loss, W, create_graph) + backward(|g|^2)",
+    "double_backward_us",
+    double_backward_call,
+    count_double_backward_nodes,
+)
 
 
 # Each case config also sets its repetitions. Measured on the shared 2-core development machine
-# under load from other jobs (one pair of backward calls, forward rebuilds included: chain ~0.3 s,
-# fanin ~30 ms, mlp ~5 ms): the defaults run in ~41 s in all, quick_reps in ~7-9 s. With these the
-# paired torch_ext/stock ratio's median moved by about 0.05 between runs.
+# under load from other jobs (one pair of calls, forward rebuilds included: chain ~0.3 s, fanin
+# ~30 ms, mlp ~5 ms, mlp_grad_x ~4 ms, mlp_double ~25 ms): the defaults run in ~47 s in all (~50 s
+# with start-up), quick_reps in ~10 s (~12.5 s). With these the paired torch_ext/stock ratio's
+# median moved by about 0.05 between runs (mlp_grad_x and mlp_double: by 0.02 over five runs).
 @dataclass(frozen=True)
 class Chain:
     length: int = 10_000
@@ -79,6 +202,7 @@ class Chain:
     reps: int = 60
     quick_reps: int = 12
     name: str = "chain"
+    call: Call = BACKWARD
 
     @property
     def size(self) -> str:
@@ -109,6 +233,7 @@ class FanIn:
     reps: int = 300
     quick_reps: int = 60
     name: str = "fanin"
+    call: Call = BACKWARD
 
     @property
     def size(self) -> str:
@@ -132,6 +257,7 @@ class MLP:
     reps: int = 1_000
     quick_reps: int = 200
     name: str = "mlp"
+    call: Call = BACKWARD
 
     @property
     def size(self) -> str:
@@ -143,33 +269,30 @@ class MLP:
         for _ in range(self.depth):
             layers += [torch.nn.Linear(self.width, self.width), torch.nn.Tanh()]
         model = torch.nn.Sequential(*layers)
-        x = torch.randn(self.batch, self.width)
+        # Only grad(loss, x) needs x to require grad; the other calls keep stock's usual training
+        # graph, where the input's gradient is never computed.
+        x = torch.randn(self.batch, self.width, requires_grad=self.call is GRAD)
         params = list(model.parameters())
+        inputs = {BACKWARD: [], GRAD: [x], DOUBLE_BACKWARD: params}[self.call]
 
         def build() -> Graph:
-            return Graph(params, model(x).sum())
+            return Graph(params, model(x).sum(), inputs)
 
         return build
 
 
 Case = Chain | FanIn | MLP
-CASES: tuple[Case, ...] = (Chain(), FanIn(), MLP())
+CASES: tuple[Case, ...] = (
+    Chain(),
+    FanIn(),
+    MLP(),
+    MLP(name="mlp_grad_x", call=GRAD, reps=1_000, quick_reps=200),
+    MLP(name="mlp_double", call=DOUBLE_BACKWARD, reps=300, quick_reps=60),
+)
 
 
 class GradientMismatch(AssertionError):
     pass
-
-
-def count_nodes(root: torch.Tensor) -> int:
-    """Unique nodes reachable from ``root.grad_fn``: the nodes a plain backward() runs."""
-    seen = {root.grad_fn}
-    stack = [root.grad_fn]
-    while stack:
-        for fn, _ in stack.pop().next_functions:
-            if fn is not None and fn not in seen:
-                seen.add(fn)
-                stack.append(fn)
-    return len(seen)
 
 
 def fresh_graph(build: Callable[[], Graph]) -> Graph:
@@ -180,29 +303,25 @@ def fresh_graph(build: Callable[[], Graph]) -> Graph:
 
 
 def check_same_gradients(case: Case, build: Callable[[], Graph]) -> None:
-    grads = {}
-    for name, backward in ENGINES:
-        graph = fresh_graph(build)
-        backward(graph.root)
-        grads[name] = [leaf.grad for leaf in graph.leaves]
-    for i, (stock, ext) in enumerate(zip(grads["stock"], grads["torch_ext"])):
+    results = {engine.name: case.call.run(engine, fresh_graph(build)).tensors for engine in ENGINES}
+    for i, (stock, ext) in enumerate(zip(results["stock"], results["torch_ext"], strict=True)):
         if stock is None or ext is None:
-            raise GradientMismatch(f"{case.name}: leaf {i} has no gradient (stock: {stock}, torch_ext: {ext})")
+            raise GradientMismatch(f"{case.name}: result {i} is missing (stock: {stock}, torch_ext: {ext})")
         if not torch.equal(stock, ext):
             diff = (stock - ext).abs().max().item()
-            raise GradientMismatch(f"{case.name}: leaf {i}: torch_ext's gradient differs from stock's (max {diff:g})")
+            raise GradientMismatch(f"{case.name}: result {i}: torch_ext's differs from stock's (max {diff:g})")
 
 
-def time_alternating(build: Callable[[], Graph], reps: int, warmup: int) -> dict[str, list[int]]:
-    samples: dict[str, list[int]] = {name: [] for name, _ in ENGINES}
-    for rep in range(warmup + reps):
-        for name, backward in ENGINES:
+def time_alternating(case: Case, build: Callable[[], Graph], warmup: int) -> dict[str, list[int]]:
+    samples: dict[str, list[int]] = {engine.name: [] for engine in ENGINES}
+    for rep in range(warmup + case.reps):
+        for engine in ENGINES:
             graph = fresh_graph(build)
-            elapsed = timed_ns(backward, graph.root)
+            elapsed = case.call.run(engine, graph).elapsed_ns
             # Freed here, outside the timed call, before the next graph is built.
             del graph
             if rep >= warmup:
-                samples[name].append(elapsed)
+                samples[engine.name].append(elapsed)
     return samples
 
 
@@ -221,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     sha = git_sha()
     print(
         f"torch {torch.__version__}, git {sha}, {torch.get_num_threads()} intra-op threads; "
-        "GC disabled during each timed backward"
+        "GC disabled during each timed call"
     )
     started = time.perf_counter()
     rows = []
@@ -232,24 +351,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{case.name}: {case.reps} repetitions of each engine", file=sys.stderr, flush=True)
         build = case.make_builder()
         check_same_gradients(case, build)
-        nodes = count_nodes(build().root)
-        samples = time_alternating(build, case.reps, warmup)
+        nodes = case.call.count_nodes(fresh_graph(build))
+        samples = time_alternating(case, build, warmup)
 
         rows.append(csv_row("graph", case.name, case.size, "nodes", Summary(nodes, nodes, nodes), sha))
         per_node: dict[str, Summary] = {}
         for name, times_ns in samples.items():
-            rows.append(csv_row(name, case.name, case.size, "backward_us", summarize([t / 1e3 for t in times_ns]), sha))
+            rows.append(
+                csv_row(name, case.name, case.size, case.call.metric, summarize([t / 1e3 for t in times_ns]), sha)
+            )
             per_node[name] = summarize([t / 1e3 / nodes for t in times_ns])
             rows.append(csv_row(name, case.name, case.size, "us_per_node", per_node[name], sha))
         paired = summarize([ext / stock for stock, ext in zip(samples["stock"], samples["torch_ext"])])
         rows.append(csv_row("torch_ext/stock", case.name, case.size, "ratio", paired, sha))
         ratio = per_node["torch_ext"].median / per_node["stock"].median
-        table.append((case.name, case.size, nodes, case.reps, per_node["stock"], per_node["torch_ext"], ratio, paired))
+        table.append((case, nodes, per_node["stock"], per_node["torch_ext"], ratio, paired))
 
-    header = ("graph", "size", "nodes", "reps", "stock us/node", "torch_ext us/node", "ratio", "paired ratio")
+    header = ("graph", "size", "call", "nodes", "reps", "stock us/node", "torch_ext us/node", "ratio", "paired ratio")
     lines = [header] + [
-        (name, size, str(nodes), str(reps), str(stock), str(ext), f"{ratio:.3f}", f"{paired.p20:.3f}-{paired.p80:.3f}")
-        for name, size, nodes, reps, stock, ext, ratio, paired in table
+        (
+            case.name,
+            case.size,
+            case.call.label,
+            str(nodes),
+            str(case.reps),
+            str(stock),
+            str(ext),
+            f"{ratio:.3f}",
+            f"{paired.p20:.3f}-{paired.p80:.3f}",
+        )
+        for case, nodes, stock, ext, ratio, paired in table
     ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     for line in lines:
