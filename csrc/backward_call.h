@@ -85,6 +85,8 @@ class BackwardCall {
   // the caller's streams wait on them before run() returns.
   std::unordered_set<c10::Stream> leaf_streams_;
   std::vector<c10::Stream> caller_streams_;
+  // The stream each root gradient was produced on (the caller's current one).
+  std::vector<std::optional<c10::Stream>> root_streams_;
   // The thread-local state every node starts from: the host task's, with grad
   // mode equal to create_graph (part of stock's GraphTask::thread_locals_).
   c10::AutogradState task_autograd_state_ = c10::AutogradState::get_tls_state();

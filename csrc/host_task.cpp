@@ -123,9 +123,17 @@ BackwardCall::BackwardCall(
       root_grads_(std::move(root_grads)),
       inputs_(std::move(inputs)),
       options_(options),
-      priorities_(std::move(priority_overrides)) {
+      priorities_(std::move(priority_overrides)),
+      // Read here, on the caller's thread: past stock's reentrant depth
+      // limit the host task runs the driver on a pool thread, whose current
+      // streams are not the caller's.
+      caller_streams_(current_accelerator_streams()) {
   if (!options_.accumulate_grad) {
     captured_.resize(inputs_.size());
+  }
+  root_streams_.reserve(root_grads_.size());
+  for (const auto& grad : root_grads_) {
+    root_streams_.push_back(producer_stream_of(grad));
   }
 }
 
@@ -173,12 +181,11 @@ void BackwardCall::seed_roots() {
   // Several roots: stock's GraphRoot delivers each gradient along its root
   // edge, in order, like any node's outputs.
   for (size_t i = 0; i < roots_.size(); ++i) {
-    const auto stream = producer_stream_of(root_grads_[i]);
     deliver(
         plan_.root_targets[i],
         roots_[i].input_nr,
         std::move(root_grads_[i]),
-        stream);
+        root_streams_[i]);
   }
 }
 
@@ -198,7 +205,6 @@ void BackwardCall::run() {
       priorities_,
       host_nodes_in_graph);
   publish_plan_to_host_task();
-  caller_streams_ = current_accelerator_streams();
   // Gradients are accumulated (InputBuffer) and nodes run with grad mode
   // equal to create_graph, as under stock's per-task thread-local state.
   c10::GradMode::set_enabled(options_.create_graph);
