@@ -1,0 +1,204 @@
+"""Runs a function on two gloo ranks over loopback and compares stock PyTorch's results with torch_ext's.
+
+A test module hands :func:`run_ranks` a module-level function of the rank; each spawned rank joins
+one process group, calls it and sends back what it returned (nested dicts and lists of tensors,
+numbers and None). Spawning is most of a distributed test's time, so a module runs all its cases in
+one pair of processes, each case on both engines (:func:`train_on_both_engines`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import wait as wait_for_any
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.autograd.profiler_util import EventList
+
+import torch_ext
+
+WORLD_SIZE = 2
+# Whole run, both ranks: spawning costs ~7 s on 2 cores, each case about a second.
+SPAWN_TIMEOUT_S = 120
+# A rank whose peer died fails its collective after this instead of waiting forever.
+COLLECTIVE_TIMEOUT_S = 60
+# A rank still running this long before the spawn timeout writes every thread's stack, which the
+# test reports if it hangs.
+STACK_DUMP_MARGIN_S = 20
+
+
+def train_on_both_engines(cases: Mapping[str, object], train: Callable[..., dict], rank: int) -> dict:
+    """``{case name: {"stock": train(case, rank, False), "torch_ext": train(case, rank, True)}}``."""
+    results = {}
+    for case_name, case in cases.items():
+        try:
+            results[case_name] = {
+                "stock": train(case, rank, on_torch_ext=False),
+                "torch_ext": train(case, rank, on_torch_ext=True),
+            }
+        except BaseException as error:
+            error.add_note(f"in case {case_name!r}")
+            raise
+    return results
+
+
+def profiled_backward(loss: torch.Tensor) -> EventList:
+    """``loss.backward()`` under the profiler; returns its events in the order they began."""
+    with torch.profiler.profile() as profile:
+        loss.backward()
+    return profile.events()
+
+
+def ran_on_torch_ext(events: EventList) -> bool:
+    """Whether a profiled backward ran on torch_ext's engine.
+
+    torch_ext's host task runs its driver node on the stock engine, and stock never does.
+    """
+    return any("torch_ext::BackwardDriver" in event.name for event in events)
+
+
+def assert_torch_ext_matches_stock(rank_results: list[dict], case_name: str) -> None:
+    """On every rank, the case's torch_ext run returned exactly what its stock run did.
+
+    Each run's result must hold ``"driver_ran"`` (from :func:`ran_on_torch_ext`): the stock run must
+    not have gone through torch_ext, the other must have.
+    """
+    for rank, result in enumerate(rank_results):
+        stock, ours = dict(result[case_name]["stock"]), dict(result[case_name]["torch_ext"])
+        assert not stock.pop("driver_ran"), f"rank {rank}: the stock run went through torch_ext"
+        assert ours.pop("driver_ran"), f"rank {rank}: backward under enabled() did not run on torch_ext"
+        assert_identical(ours, stock, f"rank {rank}")
+
+
+def assert_identical(actual, expected, where: str) -> None:
+    """Nested dicts/lists of tensors, numbers and None are equal, tensors bit for bit (torch.equal)."""
+    if isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping) and actual.keys() == expected.keys(), f"{where}: keys differ"
+        for key, value in expected.items():
+            assert_identical(actual[key], value, f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), (
+            f"{where}: lengths differ:\n{_shallow_repr(actual)}\n!=\n{_shallow_repr(expected)}"
+        )
+        for index, (ours, theirs) in enumerate(zip(actual, expected, strict=True)):
+            assert_identical(ours, theirs, f"{where}[{index}]")
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__} is not a tensor"
+        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), (
+            f"{where}: {actual.dtype}{list(actual.shape)} != {expected.dtype}{list(expected.shape)}"
+        )
+        assert torch.equal(actual, expected), f"{where}: max abs diff {(actual - expected).abs().max().item()}"
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def _shallow_repr(value) -> str:
+    """A list's items (such as profiler event names), or just its type and length if it holds tensors."""
+    if isinstance(value, (list, tuple)) and not any(isinstance(item, (torch.Tensor, Mapping)) for item in value):
+        return repr(value)
+    return f"{type(value).__name__} of {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
+
+
+def run_ranks(run_on_rank: Callable[[int], dict], out_dir: Path, timeout_s: float = SPAWN_TIMEOUT_S) -> list[dict]:
+    """Runs ``run_on_rank(rank)`` on every rank, inside a gloo process group on loopback.
+
+    ``run_on_rank`` must be a module-level function (spawned ranks import it by name). Returns each
+    rank's result, or fails the test with every rank's traceback, or its stacks if it hung.
+    """
+    context = mp.get_context("spawn")
+    # The ranks rendezvous through a store the test holds open on a port the OS chose, so no other
+    # process on a busy machine can take that port between choosing it and the ranks' start.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    port = store.port
+    stack_dump_s = max(timeout_s - STACK_DUMP_MARGIN_S, 1)
+    ranks = [
+        context.Process(
+            target=_rank_main,
+            args=(rank, port, str(out_dir), run_on_rank, torch_ext.__file__, stack_dump_s),
+            daemon=True,
+        )
+        for rank in range(WORLD_SIZE)
+    ]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    try:
+        while running := [process for process in ranks if process.exitcode is None]:
+            if any(process.exitcode for process in ranks):
+                break  # a failed rank: its peers would wait for it in a collective
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            wait_for_any([process.sentinel for process in running], timeout=remaining)
+    finally:
+        for process in ranks:
+            if process.exitcode is None:
+                process.kill()
+            process.join()
+        del store
+
+    problems = []
+    for rank, process in enumerate(ranks):
+        traceback_file = out_dir / f"rank{rank}.traceback"
+        if traceback_file.exists():
+            problems.append(f"rank {rank} raised:\n{traceback_file.read_text()}")
+        elif process.exitcode != 0:
+            problems.append(f"rank {rank} exited with code {process.exitcode}")
+    if timed_out:
+        problems.insert(0, f"ranks did not finish within {timeout_s} s and were killed")
+        for rank in range(WORLD_SIZE):
+            stacks = out_dir / f"rank{rank}.stacks"
+            if stacks.exists():
+                problems.append(f"rank {rank} stacks after {stack_dump_s} s:\n{stacks.read_text()}")
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+def _run_in_process_group(rank: int, port: int, run_on_rank: Callable[[int], dict], parent_torch_ext_file: str):
+    # The rank got the parent's sys.path from spawn; make sure it resolved to the same build.
+    if torch_ext.__file__ != parent_torch_ext_file:
+        raise ImportError(f"rank imported torch_ext from {torch_ext.__file__}, the test from {parent_torch_ext_file}")
+    torch.set_num_threads(1)  # two ranks share two cores
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timeout)
+    try:
+        return run_on_rank(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(
+    rank: int,
+    port: int,
+    out_dir: str,
+    run_on_rank: Callable[[int], dict],
+    parent_torch_ext_file: str,
+    stack_dump_s: float,
+) -> None:
+    out = Path(out_dir)
+    with open(out / f"rank{rank}.stacks", "w") as stack_dump:
+        # Should the rank hang, the test reports where.
+        faulthandler.dump_traceback_later(stack_dump_s, file=stack_dump)
+        try:
+            results = _run_in_process_group(rank, port, run_on_rank, parent_torch_ext_file)
+        except BaseException:
+            (out / f"rank{rank}.traceback").write_text(traceback.format_exc())
+            raise
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    torch.save(results, out / f"rank{rank}.pt")
