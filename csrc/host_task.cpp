@@ -12,9 +12,9 @@
 #include "engine_api.h"
 
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/SequenceNumber.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/empty.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
@@ -35,8 +35,11 @@ AnomalyMetadataCopier anomaly_metadata_copier = nullptr;
 // The gradient fed to the driver. The host task checks it against the
 // driver's input metadata and hands it over; nothing reads its value. Shared
 // by all calls and never freed (it must outlive every thread's last backward).
+// Allocated directly, not through the dispatcher: a TorchDispatchMode active
+// during the first backward must neither see nor replace it.
 const at::Tensor& driver_dummy_grad() {
-  static const at::Tensor* dummy = new at::Tensor(at::empty({}));
+  static const at::Tensor* dummy =
+      new at::Tensor(at::detail::empty_cpu({}, at::TensorOptions()));
   return *dummy;
 }
 

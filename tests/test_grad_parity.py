@@ -356,7 +356,7 @@ def test_torch_func_transforms_under_enabled():
 
 
 def test_compiled_autograd_falls_back_to_stock_engine():
-    import torch._dynamo.compiled_autograd as compiled_autograd
+    from torch._dynamo import compiled_autograd
 
     def run(use_torch_ext):
         torch.manual_seed(0)
@@ -371,3 +371,43 @@ def test_compiled_autograd_falls_back_to_stock_engine():
         return [p.grad for p in linear.parameters()]
 
     assert_same(run(False), run(True))
+
+
+FIRST_BACKWARD_UNDER_DISPATCH_MODE = """
+import torch, torch_ext
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class EmptyOnMeta(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args, kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.ops.aten.empty.memory_format:
+            kwargs["device"] = torch.device("meta")
+        return func(*args, **kwargs)
+
+x = torch.ones(2, requires_grad=True)
+with EmptyOnMeta():
+    torch_ext.backward((x * 2).sum())
+y = torch.ones(3, requires_grad=True)
+torch_ext.backward((y * 3).sum())
+print(x.grad.tolist(), y.grad.tolist())
+"""
+
+
+def test_first_backward_under_a_dispatch_mode_does_not_poison_the_engine():
+    # The engine's first backward in a process allocates internal state; a TorchDispatchMode active
+    # then must not see or replace it. Needs a fresh interpreter.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    result = subprocess.run(
+        [sys.executable, "-c", FIRST_BACKWARD_UNDER_DISPATCH_MODE],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "[2.0, 2.0] [3.0, 3.0, 3.0]"
