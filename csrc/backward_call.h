@@ -29,6 +29,11 @@ struct CallOptions {
 // A buffer for the gradients arriving at `fn` (node_executor.cpp).
 InputBuffer make_input_buffer(Node& fn);
 
+// The thread's "currently evaluating node" slot of stock's NodeGuard, or null
+// when it cannot be located safely (current_node.cpp). `expected_current` is
+// the node the host task made current, used to validate the slot.
+c10::intrusive_ptr<Node>* current_node_slot(Node* expected_current);
+
 class BackwardCall {
  public:
   BackwardCall(
@@ -41,8 +46,9 @@ class BackwardCall {
   BackwardCall& operator=(const BackwardCall&) = delete;
 
   // Discovers the graph and runs every node that must run, on the calling
-  // thread. Must be called inside a stock graph task (the host task).
-  void run();
+  // thread. Must be called inside a stock graph task (the host task), from
+  // its node `host_node`.
+  void run(Node* host_node);
 
   // grad(): the captured gradient of each input, undefined where none arrived.
   variable_list take_captured() {
@@ -93,6 +99,9 @@ class BackwardCall {
   c10::impl::LocalDispatchKeySet task_dispatch_keys_ =
       c10::impl::tls_local_dispatch_key_set();
   Node* failed_node_ = nullptr;
+  // Where each node is made the current node while it runs, as stock's
+  // NodeGuard does; null if unavailable.
+  c10::intrusive_ptr<Node>* current_node_slot_ = nullptr;
 };
 
 } // namespace torch_ext

@@ -65,7 +65,7 @@ class BackwardDriver final : public torch::autograd::Node {
     TORCH_INTERNAL_ASSERT(call_ != nullptr, "BackwardDriver ran twice");
     BackwardCall* call = std::exchange(call_, nullptr);
     try {
-      call->run();
+      call->run(this);
     } catch (...) {
       Node* failed = call->failed_node();
       if (AnomalyMode::is_enabled() && failed != nullptr) {
@@ -192,7 +192,8 @@ void BackwardCall::seed_roots() {
   }
 }
 
-void BackwardCall::run() {
+void BackwardCall::run(Node* host_node) {
+  current_node_slot_ = current_node_slot(host_node);
   auto* host_nodes_in_graph = const_cast<std::unordered_set<Node*>*>(
       torch::autograd::get_current_graph_task_nodes_in_graph());
   TORCH_INTERNAL_ASSERT(

@@ -129,6 +129,27 @@ void prepare_for_accelerator_grad(InputBuffer& inputs, const at::Tensor& grad) {
   inputs.ready_streams.resize(n);
 }
 
+// Stock's NodeGuard: `node` is the current node while it runs.
+class CurrentNodeGuard {
+ public:
+  CurrentNodeGuard(c10::intrusive_ptr<Node>* slot, Node& node) : slot_(slot) {
+    if (slot_ != nullptr) {
+      previous_ = std::exchange(*slot_, node.getptr());
+    }
+  }
+  ~CurrentNodeGuard() {
+    if (slot_ != nullptr) {
+      *slot_ = std::move(previous_);
+    }
+  }
+  CurrentNodeGuard(const CurrentNodeGuard&) = delete;
+  CurrentNodeGuard& operator=(const CurrentNodeGuard&) = delete;
+
+ private:
+  c10::intrusive_ptr<Node>* slot_;
+  c10::intrusive_ptr<Node> previous_;
+};
+
 } // namespace
 
 // InputBuffer(n) also sizes three per-input stream/event vectors that only
@@ -169,6 +190,7 @@ void BackwardCall::execute_node(int32_t index) {
   InputBuffer inputs = std::move(*slot.inputs);
   slot.inputs.reset();
 
+  CurrentNodeGuard current_node(current_node_slot_, fn);
   RECORD_FUNCTION(
       c10::str("autograd::engine::evaluate_function: ", fn.name()),
       c10::ArrayRef<const c10::IValue>());

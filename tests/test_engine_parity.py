@@ -582,12 +582,6 @@ def test_queue_callback_outside_backward_raises_like_stock():
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch._C._current_autograd_node() inside a hook returns torch_ext's BackwardDriver (a CppFunction "
-    "named 'torch_ext::BackwardDriver') instead of the node being evaluated: the engine cannot install stock's "
-    "NodeGuard. Breaks TORCH_LOGS=autograd graph logging and torch.utils._debug_mode.",
-)
 def test_current_autograd_node_in_hook_matches_stock():
     def build():
         x = leaf(3)

@@ -411,3 +411,62 @@ def test_first_backward_under_a_dispatch_mode_does_not_poison_the_engine():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0] == "[2.0, 2.0] [3.0, 3.0, 3.0]"
+
+
+def test_hook_registered_on_current_node_from_unpack_hook():
+    # torch._C._current_autograd_node() inside backward is the node being evaluated, as with stock's NodeGuard.
+    def run(engine):
+        torch.manual_seed(0)
+        a = torch.rand(3, 3, requires_grad=True)
+
+        def unpack(saved):
+            node = torch._C._current_autograd_node()
+            node.register_hook(lambda outs, ins: tuple(o / 2 if o is not None else None for o in outs))
+            return saved
+
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            var, mean = torch.var_mean(a, dim=0)
+        BACKWARD[engine]((var + mean).sum())
+        return a.grad
+
+    assert_same(*both(run))
+
+
+class _SavesInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return _ReturnsNan.apply(grad * x)
+
+
+class _ReturnsNan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + float("nan")
+
+
+def test_anomaly_mode_reports_the_parent_of_double_backward_nodes():
+    def run(engine):
+        with warnings.catch_warnings(record=True) as caught, torch.autograd.detect_anomaly():
+            warnings.simplefilter("always")
+            x = torch.rand(3, requires_grad=True)
+            (grad,) = GRAD[engine](_SavesInput.apply(x).sum(), (x,), create_graph=True)
+            with pytest.raises(RuntimeError) as info:
+                BACKWARD[engine](grad.sum())
+        parents = [str(w.message).strip().splitlines()[0] for w in caught if "Previous calculation" in str(w.message)]
+        return str(info.value).splitlines()[0], parents
+
+    stock, ext = both(run)
+    assert stock == ext
+    assert ext[1] == [
+        "Previous calculation was induced by _SavesInputBackward. Traceback of forward call that induced the previous calculation:"
+    ]
