@@ -470,3 +470,28 @@ def test_anomaly_mode_reports_the_parent_of_double_backward_nodes():
     assert ext[1] == [
         "Previous calculation was induced by _SavesInputBackward. Traceback of forward call that induced the previous calculation:"
     ]
+
+
+def test_torch_logs_autograd_records_each_node_like_stock():
+    import logging
+    import re
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(re.sub(r" at 0x[0-9a-f]+", "", record.getMessage()))
+    logger = logging.getLogger("torch.autograd.graph")
+    torch._logging.set_logs(autograd=logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        logged = {}
+        for engine in ("stock", "ext"):
+            records.clear()
+            loss, x, _ = mlp()
+            BACKWARD[engine](loss)
+            GRAD[engine](mlp()[0], x)
+            logged[engine] = list(records)
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+    assert logged["ext"] == logged["stock"]
+    assert any("MmBackward0" in message for message in logged["ext"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 import warnings
@@ -166,7 +167,7 @@ def backward(
     grads = _make_root_grads(tensors, grad_tensors, is_grads_batched=False)
     if retain_graph is None:
         retain_graph = create_graph
-    _C.run_backward(tensors, grads, retain_graph, create_graph, inputs_tuple, True, True, overrides)
+    _run_backward_logged(tensors, grads, retain_graph, create_graph, inputs_tuple, True, True, overrides)
 
 
 def grad(
@@ -229,7 +230,7 @@ def grad(
         retain_graph = create_graph
 
     def vjp(grad_batch):
-        return _C.run_backward(
+        return _run_backward_logged(
             outputs, grad_batch, retain_graph, create_graph, inputs_tuple, allow_unused, False, overrides
         )
 
@@ -245,6 +246,18 @@ def grad(
             for r, inp in zip(result, inputs_tuple, strict=True)
         )
     return dict(zip(inputs.keys(), result, strict=True)) if type(inputs) is dict else result
+
+
+def _run_backward_logged(roots, *args):
+    """``_C.run_backward`` with TORCH_LOGS=autograd's per-node records, as torch.autograd's
+    ``_engine_run_backward`` attaches them around the stock engine."""
+    if autograd_graph.log.getEffectiveLevel() > logging.DEBUG:
+        return _C.run_backward(roots, *args)
+    unregister_hooks = autograd_graph._register_logging_hooks_on_whole_graph(roots)
+    try:
+        return _C.run_backward(roots, *args)
+    finally:
+        unregister_hooks()
 
 
 def _roots_to_tuple(tensors) -> tuple:
