@@ -1,4 +1,4 @@
-"""torch_ext's engine as torch.autograd's execution engine, and the backward() entry point."""
+"""torch_ext's engine as torch.autograd's execution engine, and the backward() and grad() entry points."""
 
 from __future__ import annotations
 
