@@ -2,7 +2,6 @@
 
 #include "priority_table.h"
 
-#include <c10/util/flat_hash_map.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <atomic>
@@ -17,7 +16,7 @@ using torch::autograd::Node;
 struct TableEntry {
   // Weak: the table must not keep a graph alive. While the entry exists the
   // node's memory is not reused, so a new node never inherits a dead node's
-  // priority; dead entries are swept when the table is read.
+  // priority; dead entries are swept as the table grows (set_node_priority).
   c10::weak_intrusive_ptr<Node> node;
   NodePriority priority;
 };
@@ -68,21 +67,30 @@ std::optional<NodePriority> node_priority(Node* node) {
   return it->second.priority;
 }
 
-CallPriorities::CallPriorities(std::vector<PriorityOverride> overrides)
-    : overrides_(std::move(overrides)),
-      table_has_entries_(table_size.load(std::memory_order_acquire) > 0) {}
-
-std::optional<NodePriority> CallPriorities::lookup(Node* node) const {
-  // Later overrides of the same node win, as in a dict.
-  for (auto it = overrides_.rbegin(); it != overrides_.rend(); ++it) {
-    if (it->node.get() == node) {
-      return it->priority;
+CallPriorities::CallPriorities(std::vector<PriorityOverride> overrides) {
+  if (table_size.load(std::memory_order_acquire) > 0) {
+    std::lock_guard<std::mutex> lock(table_mutex);
+    for (const auto& [node, entry] : table) {
+      auto alive = entry.node.lock();
+      if (alive) {
+        by_node_[node] = entry.priority;
+        keep_alive_.push_back(std::move(alive));
+      }
     }
   }
-  if (!table_has_entries_) {
+  // In order, so later overrides of the same node win, as in a dict.
+  for (auto& override_ : overrides) {
+    by_node_[override_.node.get()] = override_.priority;
+    keep_alive_.push_back(std::move(override_.node));
+  }
+}
+
+std::optional<NodePriority> CallPriorities::lookup(Node* node) const {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) {
     return std::nullopt;
   }
-  return node_priority(node);
+  return it->second;
 }
 
 } // namespace torch_ext

@@ -9,6 +9,8 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include <c10/util/flat_hash_map.h>
+
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -36,21 +38,26 @@ struct PriorityOverride {
   NodePriority priority;
 };
 
-// The table's entries and `overrides` for the nodes of one call, or nothing
-// when no priority applies (the common case, which costs one atomic load).
+// The priorities that apply to one call: the table's live entries, taken
+// once under its lock, with `overrides` on top. Discovery then looks every
+// node up without locking. Empty in the common case, where taking it costs
+// one atomic load.
 class CallPriorities {
  public:
   explicit CallPriorities(std::vector<PriorityOverride> overrides);
 
   bool empty() const {
-    return overrides_.empty() && !table_has_entries_;
+    return by_node_.empty();
   }
 
   std::optional<NodePriority> lookup(torch::autograd::Node* node) const;
 
  private:
-  std::vector<PriorityOverride> overrides_;
-  bool table_has_entries_;
+  ska::flat_hash_map<torch::autograd::Node*, NodePriority> by_node_;
+  // The nodes in by_node_, alive for the call: a node that died during it
+  // could otherwise hand its address, and its priority, to a node that
+  // backward creates (create_graph).
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> keep_alive_;
 };
 
 } // namespace torch_ext
