@@ -61,6 +61,16 @@ class BackwardCall {
     return failed_node_;
   }
 
+  // Called by a collective's backward formula while this call runs it as a
+  // node: `result` is the collective's output, still in flight. The engine
+  // waits on it just before the first thing that reads it (the node it is
+  // delivered to, an accumulation into the same input, or the end of the
+  // call), so every node scheduled in between overlaps the communication.
+  // Returns false, and records nothing, when this thread is not running a
+  // torch_ext node right now (stock engine, a compiled graph, a nested
+  // backward); the caller must then wait itself.
+  static bool defer_wait_to_first_use(const at::Tensor& result);
+
  private:
   // Registers the plan with the host graph task so the parts of PyTorch that
   // read it (task_should_compute_output, _will_engine_execute_node,
@@ -77,6 +87,13 @@ class BackwardCall {
       at::Tensor&& grad,
       const std::optional<c10::Stream>& producer_stream);
   void sync_leaf_streams_with_caller();
+  // Marks `target` as receiving a pending result if `grad` is one.
+  void note_pending_delivery(int32_t target, const at::Tensor& grad);
+  // Waits on the pending results delivered to `slot` (or, with kNoSlot, on
+  // every one still pending) and forgets them.
+  void wait_pending(int32_t slot);
+  // Error path: waits on everything still in flight, keeping the first error.
+  void wait_pending_after_error() noexcept;
 
   edge_list roots_;
   variable_list root_grads_;
@@ -98,6 +115,13 @@ class BackwardCall {
   c10::AutogradState task_autograd_state_ = c10::AutogradState::get_tls_state();
   c10::impl::LocalDispatchKeySet task_dispatch_keys_ =
       c10::impl::tls_local_dispatch_key_set();
+  // Collective results in flight (defer_wait_to_first_use), with the slot
+  // each was delivered to (kNoSlot until delivered). A handful per call.
+  struct PendingWait {
+    at::Tensor result;
+    int32_t slot = kNoSlot;
+  };
+  std::vector<PendingWait> pending_waits_;
   Node* failed_node_ = nullptr;
   // Where each node is made the current node while it runs, as stock's
   // NodeGuard does; null if unavailable.

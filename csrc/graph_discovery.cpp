@@ -5,6 +5,7 @@
 // nodes must run for grad() / backward(inputs=)), over slot indices instead of
 // Node* hash maps.
 
+#include "collective_nodes.h"
 #include "graph_plan.h"
 
 #include <algorithm>
@@ -27,7 +28,8 @@ uint64_t min_topological_nr(const edge_list& inputs) {
 
 class PlanBuilder {
  public:
-  explicit PlanBuilder(GraphPlan& plan) : plan_(plan) {}
+  explicit PlanBuilder(GraphPlan& plan)
+      : plan_(plan), find_collectives_(auto_collective_priority()) {}
 
   // Slot of `fn`, created on first sight. Every call is one edge into `fn`.
   int32_t add_edge_to(Node* fn) {
@@ -68,6 +70,10 @@ class PlanBuilder {
       plan_.slots[slot].first_edge =
           static_cast<uint32_t>(plan_.edge_targets.size());
       plan_.slots[slot].expanded = true;
+      if (find_collectives_ && is_collective_node(*fn)) {
+        plan_.slots[slot].collective = true;
+        plan_.has_collectives = true;
+      }
       plan_.edge_targets.resize(plan_.edge_targets.size() + next_edges.size());
       for (size_t i = 0; i < next_edges.size(); ++i) {
         Node* next = next_edges[i].function.get();
@@ -85,6 +91,7 @@ class PlanBuilder {
 
  private:
   GraphPlan& plan_;
+  const bool find_collectives_;
   std::vector<int32_t> expand_stack_;
 };
 
@@ -165,6 +172,10 @@ void assign_priorities(GraphPlan& plan, const CallPriorities& priorities) {
   bool any = false;
   for (size_t i = 0; i < num_slots; ++i) {
     own[i] = priorities.lookup(plan.slots[i].fn);
+    if (!own[i].has_value() && plan.slots[i].collective) {
+      // An explicit priority on a collective's node wins over the automatic one.
+      own[i] = NodePriority{kCollectivePriority, /*propagate=*/true};
+    }
     any = any || own[i].has_value();
   }
   if (!any) {
@@ -252,7 +263,7 @@ void discover_graph(
     }
   }
 
-  if (!priorities.empty()) {
+  if (!priorities.empty() || plan.has_collectives) {
     assign_priorities(plan, priorities);
   }
   if (inputs.empty()) {

@@ -49,6 +49,12 @@ struct NodeSlot {
   // inputs= or grad() only nodes on a path to an input run (stock's
   // ExecInfo::needed_).
   bool needed = true;
+  // The backward of a collective, prioritised automatically
+  // (collective_nodes.h).
+  bool collective = false;
+  // A gradient delivered to this node is a collective's result still in
+  // flight (BackwardCall::defer_wait_to_first_use); wait before reading it.
+  bool has_pending_wait = false;
   // Index into GraphPlan::captures of the first capture on this node, or
   // kNoSlot. Captures of one node are contiguous.
   int32_t first_capture = kNoSlot;
@@ -82,6 +88,8 @@ struct GraphPlan {
   // Each slot's effective priority (its own, or the highest propagated to it
   // from a node it leads to); empty when no priority applies to the call.
   std::vector<int64_t> priority;
+  // Whether any slot is `collective`.
+  bool has_collectives = false;
   // Node -> slot, used while discovering. Open addressing: std::unordered_map
   // allocated once per node, a visible share of discovery in perf profiles of
   // a 10k-node chain.

@@ -222,10 +222,14 @@ void BackwardCall::run(Node* host_node) {
       running = ready_.pop();
       execute_node(running);
     }
+    // Collective results no node read (dropped, or delivered to nodes that
+    // do not run) still complete before backward returns.
+    wait_pending(kNoSlot);
   } catch (...) {
     if (running != kNoSlot) {
       failed_node_ = plan_.slots[running].fn;
     }
+    wait_pending_after_error();
     throw;
   }
   sync_leaf_streams_with_caller();

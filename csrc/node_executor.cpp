@@ -7,6 +7,8 @@
 #include "backward_call.h"
 
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/_is_any_true.h>
 #include <ATen/ops/isnan.h>
@@ -150,7 +152,116 @@ class CurrentNodeGuard {
   c10::intrusive_ptr<Node> previous_;
 };
 
+// The node this thread is running for a torch_ext call, while its apply()
+// runs: where a collective's backward formula may hand its in-flight result
+// to the engine (BackwardCall::defer_wait_to_first_use).
+struct RunningNode {
+  BackwardCall* call;
+  Node* node;
+  c10::intrusive_ptr<Node>* current_node_slot;
+};
+thread_local const RunningNode* running_node = nullptr;
+
+class RunningNodeScope {
+ public:
+  explicit RunningNodeScope(const RunningNode& node)
+      : previous_(std::exchange(running_node, &node)) {}
+  ~RunningNodeScope() {
+    running_node = previous_;
+  }
+  RunningNodeScope(const RunningNodeScope&) = delete;
+  RunningNodeScope& operator=(const RunningNodeScope&) = delete;
+
+ private:
+  const RunningNode* previous_;
+};
+
+// Waits on a collective result the way its op's own formula would have:
+// _c10d_functional::wait_tensor (blocks for gloo; on CUDA, makes the current
+// stream wait for the collective's). Below autograd, so no node is recorded.
+void wait_collective_result(const at::Tensor& result) {
+  static const auto wait_tensor =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("_c10d_functional::wait_tensor", "")
+          .typed<at::Tensor(const at::Tensor&)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  wait_tensor.call(result);
+}
+
 } // namespace
+
+bool BackwardCall::defer_wait_to_first_use(const at::Tensor& result) {
+  const RunningNode* running = running_node;
+  if (running == nullptr || !result.defined() ||
+      running->current_node_slot == nullptr) {
+    return false;
+  }
+  // A nested backward on this thread (stock's engine, or a compiled graph's
+  // own code) makes its node current; only the node torch_ext is running
+  // right now may defer, since only its outputs go through deliver().
+  if (running->current_node_slot->get() != running->node) {
+    return false;
+  }
+  // Fake and functional tensors (torch.compile tracing the formula) are not
+  // in flight; post hooks would read the result before any wait.
+  constexpr c10::DispatchKeySet kTracing(
+      {c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+  if (result.key_set().has_any(kTracing) ||
+      !running->node->post_hooks().empty()) {
+    return false;
+  }
+  running->call->pending_waits_.push_back({result, kNoSlot});
+  return true;
+}
+
+void BackwardCall::note_pending_delivery(
+    int32_t target,
+    const at::Tensor& grad) {
+  for (auto& pending : pending_waits_) {
+    if (pending.slot == kNoSlot && pending.result.is_same(grad)) {
+      pending.slot = target;
+      plan_.slots[target].has_pending_wait = true;
+    }
+  }
+}
+
+void BackwardCall::wait_pending(int32_t slot) {
+  // Erase first, then wait: a failing wait must not be retried by the error
+  // path.
+  std::vector<at::Tensor> ready;
+  auto it = pending_waits_.begin();
+  while (it != pending_waits_.end()) {
+    if (slot == kNoSlot || it->slot == slot) {
+      ready.push_back(std::move(it->result));
+      it = pending_waits_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (slot != kNoSlot) {
+    plan_.slots[slot].has_pending_wait = false;
+  }
+  for (const auto& result : ready) {
+    wait_collective_result(result);
+  }
+}
+
+void BackwardCall::wait_pending_after_error() noexcept {
+  // Every launched collective must still complete, or its output buffer and
+  // work stay registered with c10d and the ranks fall out of step.
+  while (!pending_waits_.empty()) {
+    at::Tensor result = std::move(pending_waits_.back().result);
+    pending_waits_.pop_back();
+    try {
+      wait_collective_result(result);
+    } catch (const std::exception& e) {
+      TORCH_WARN(
+          "torch_ext: waiting on a collective launched before a backward "
+          "error failed: ",
+          e.what());
+    }
+  }
+}
 
 // InputBuffer(n) also sizes three per-input stream/event vectors that only
 // accelerator gradients use: three allocations per node that a CPU graph never
@@ -169,10 +280,18 @@ void BackwardCall::deliver(
   const bool ready = --slot.pending_edges == 0;
   if (!slot.inputs) {
     if (!slot.should_execute()) {
-      // Off every path to an input of grad()/backward(inputs=).
+      // Off every path to an input of grad()/backward(inputs=); a pending
+      // result here is waited on at the end of the call.
       return;
     }
     slot.inputs.emplace(make_input_buffer(*slot.fn));
+  }
+  if (!pending_waits_.empty()) {
+    note_pending_delivery(target, grad);
+    if (slot.has_pending_wait && slot.inputs->buffer[input_nr].defined()) {
+      // Accumulating reads both gradients.
+      wait_pending(target);
+    }
   }
   prepare_for_accelerator_grad(*slot.inputs, grad);
   slot.inputs->add(
@@ -180,7 +299,12 @@ void BackwardCall::deliver(
   if (ready) {
     const int64_t priority =
         plan_.priority.empty() ? 0 : plan_.priority[target];
-    ready_.push({priority, slot.fn->sequence_nr(), target});
+    // A node whose input is a collective's result in flight would block on
+    // it; every other ready node of its priority runs first, overlapping the
+    // communication. (A leaf's AccumulateGrad, sequence_nr UINT64_MAX, would
+    // otherwise run, and wait, at once.)
+    const uint64_t order = slot.has_pending_wait ? 0 : slot.fn->sequence_nr();
+    ready_.push({priority, order, target});
   }
 }
 
@@ -209,6 +333,10 @@ void BackwardCall::execute_node(int32_t index) {
       : fn.stream();
   c10::OptionalStreamGuard node_stream_guard{node_stream};
   wait_for_ready_inputs(inputs, node_stream);
+  if (slot.has_pending_wait) {
+    // A collective's result arrived here in flight; this is its first reader.
+    wait_pending(index);
+  }
 
   if (plan_.filtered) {
     variable_list seen_inputs = inputs.buffer;
@@ -234,8 +362,12 @@ void BackwardCall::execute_node(int32_t index) {
     }
   }
 
-  auto outputs =
-      call_function(fn, std::move(inputs.buffer), options_.keep_graph);
+  variable_list outputs;
+  {
+    const RunningNode running{this, &fn, current_node_slot_};
+    RunningNodeScope running_scope(running);
+    outputs = call_function(fn, std::move(inputs.buffer), options_.keep_graph);
+  }
   if (!options_.keep_graph) {
     fn.release_variables();
   }

@@ -5,6 +5,7 @@
 // torch_ext.Engine can stand in for torch.autograd's execution engine. Its
 // argument checks and messages are stock's (THPEngine_run_backward).
 
+#include "collective_nodes.h"
 #include "engine_api.h"
 
 #include <ATen/LegacyBatchedTensorImpl.h>
@@ -291,6 +292,45 @@ PyObject* py_get_priority(PyObject* /*module*/, PyObject* node) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* py_defer_wait(PyObject* /*module*/, PyObject* tensor) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(
+      THPVariable_Check(tensor),
+      "defer_wait expects a Tensor, got ",
+      Py_TYPE(tensor)->tp_name);
+  return PyBool_FromLong(
+      BackwardCall::defer_wait_to_first_use(THPVariable_Unpack(tensor)));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_set_auto_collective_priority(PyObject* /*module*/, PyObject* enabled) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(
+      PyBool_Check(enabled),
+      "set_auto_collective_priority expects a bool, got ",
+      Py_TYPE(enabled)->tp_name);
+  set_auto_collective_priority(enabled == Py_True);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_auto_collective_priority(PyObject* /*module*/, PyObject* /*unused*/) {
+  return PyBool_FromLong(auto_collective_priority());
+}
+
+PyObject* py_is_collective_node(PyObject* /*module*/, PyObject* node) {
+  HANDLE_TH_ERRORS
+  return PyBool_FromLong(is_collective_node(*checked_node_of(node)));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_remember_python_node_type(PyObject* /*module*/, PyObject* node) {
+  HANDLE_TH_ERRORS
+  remember_python_node_type(*checked_node_of(node));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 // Copies a node's forward stack (and parent chain) for anomaly mode's report.
 void copy_anomaly_metadata(Node& from, Node& to) {
   pybind11::gil_scoped_acquire gil;
@@ -322,6 +362,31 @@ PyMethodDef methods[] = {
      py_get_priority,
      METH_O,
      "get_priority(node) -> (priority, propagate) or None."},
+    {"defer_wait",
+     py_defer_wait,
+     METH_O,
+     "defer_wait(result) -> bool: from a collective's backward formula, hand "
+     "its in-flight result to the engine to wait on at first use; False when "
+     "not running as a torch_ext node (the caller must wait)."},
+    {"set_auto_collective_priority",
+     py_set_auto_collective_priority,
+     METH_O,
+     "set_auto_collective_priority(enabled): switch collectives' automatic "
+     "priority."},
+    {"auto_collective_priority",
+     py_auto_collective_priority,
+     METH_NOARGS,
+     "auto_collective_priority() -> bool."},
+    {"remember_python_node_type",
+     py_remember_python_node_type,
+     METH_O,
+     "remember_python_node_type(node): the grad_fn of a Python "
+     "autograd.Function, so the engine can recognise collectives' nodes."},
+    {"is_collective_node",
+     py_is_collective_node,
+     METH_O,
+     "is_collective_node(node) -> bool: whether the engine prioritises the "
+     "node as a collective."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {

@@ -5,11 +5,20 @@ for and the one it found) when that is not possible; see torch_ext/_loader.py.
 """
 
 from torch_ext.engine import Engine, backward, disable, enable, enabled, grad, is_enabled
-from torch_ext.priority import LAUNCH_FIRST, clear_priority, get_priority, launch_first, set_priority
+from torch_ext.priority import (
+    LAUNCH_FIRST,
+    auto_collective_priority,
+    clear_priority,
+    get_priority,
+    launch_first,
+    set_auto_collective_priority,
+    set_priority,
+)
 
 __all__ = [
     "LAUNCH_FIRST",
     "Engine",
+    "auto_collective_priority",
     "backward",
     "clear_priority",
     "disable",
@@ -19,5 +28,15 @@ __all__ = [
     "grad",
     "is_enabled",
     "launch_first",
+    "set_auto_collective_priority",
     "set_priority",
 ]
+
+
+def __getattr__(name: str):
+    # torch_ext.ops registers custom ops and imports torch.distributed: loaded on first use.
+    if name == "ops":
+        import torch_ext.ops
+
+        return torch_ext.ops
+    raise AttributeError(f"module 'torch_ext' has no attribute {name!r}")

@@ -21,6 +21,22 @@ from torch_ext._loader import load_extension
 
 _C = load_extension()
 
+
+class _PythonNodeProbe(torch.autograd.Function):
+    """Its node shows the engine what a Python Function's node is (collectives' nodes are such)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+with torch.enable_grad():
+    _C.remember_python_node_type(_PythonNodeProbe.apply(torch.zeros((), requires_grad=True)).grad_fn)
+
 # The priority launch_first() gives: the largest a priority can be.
 LAUNCH_FIRST = 2**63 - 1
 _MIN_PRIORITY = -(2**63)
@@ -88,6 +104,24 @@ def get_priority(target: PriorityTarget) -> tuple[int, bool] | None:
 def launch_first(target: PriorityTarget) -> None:
     """Runs ``target``'s node, and everything on the path to it, before any other work."""
     set_priority(target, LAUNCH_FIRST, propagate=True)
+
+
+def set_auto_collective_priority(enabled: bool) -> None:
+    """Switches the automatic priority of collectives (on by default).
+
+    When on, the backward node of every collective — torch_ext's own ops (:mod:`torch_ext.ops`)
+    and PyTorch's functional collectives (``_c10d_functional``) — runs with a high propagated
+    priority (``2**62``, below :data:`LAUNCH_FIRST`), unless it has a priority of its own: the
+    engine drives straight to it so its communication starts as early as dependencies allow.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"torch_ext.set_auto_collective_priority: expected a bool, got {type(enabled).__name__}")
+    _C.set_auto_collective_priority(enabled)
+
+
+def auto_collective_priority() -> bool:
+    """Whether collectives are prioritised automatically (:func:`set_auto_collective_priority`)."""
+    return _C.auto_collective_priority()
 
 
 def priority_overrides(priorities, api: str) -> list[tuple[Node, int, bool]] | None:

@@ -1,0 +1,357 @@
+"""torch_ext's collective ops on two gloo ranks: values, deferred waits, automatic priority, opcheck, compile.
+
+Every check runs inside one pair of spawned ranks (spawning dominates a distributed test's time);
+each rank returns plain data and the tests below assert on it. Reference values come from stock
+PyTorch: c10d for forward, PyTorch's functional collectives (``*_autograd``) on the stock engine
+for backward, which torch_ext's formulas must match bit for bit on either engine.
+
+Whether a collective is still in flight is read from c10d's work registry: the functional
+collectives register each launched work there until ``wait_tensor`` takes it out.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from _harness import WORLD_SIZE, assert_identical, run_ranks
+
+import torch_ext
+import torch_ext.ops as xops
+from torch_ext import _C
+
+pytestmark = pytest.mark.distributed
+
+in_flight = torch._C._distributed_c10d._get_work_registry_size
+
+
+def _splits(rank: int) -> tuple[list[int], list[int]]:
+    """Uneven all_to_all splits: rank r sends 1 + r + 2i rows to rank i (and so receives 1 + i + 2r from i)."""
+    sent = [1 + rank + 2 * peer for peer in range(WORLD_SIZE)]
+    received = [1 + peer + 2 * rank for peer in range(WORLD_SIZE)]
+    return received, sent
+
+
+def _leaf(rank: int, *shape: int, salt: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * rank + salt)
+    return torch.randn(*shape, generator=generator).requires_grad_()
+
+
+def _backward(loss: torch.Tensor, engine: str, **kwargs) -> None:
+    if engine == "stock":
+        loss.backward(**kwargs)
+    else:
+        torch_ext.backward(loss, **kwargs)
+
+
+def _values(rank: int) -> dict:
+    """Forward and input gradient of each op on both engines, and stock references."""
+    received, sent = _splits(rank)
+    world = dist.group.WORLD
+    name = world.group_name
+    cases = {
+        "all_to_all_single": (
+            lambda x: xops.all_to_all_single(x, received, sent),
+            lambda x: funcol.all_to_all_single_autograd(x, received, sent, world),
+            (sum(sent), 3),
+        ),
+        "all_reduce": (
+            lambda x: xops.all_reduce(x),
+            lambda x: funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", name)),
+            (4, 3),
+        ),
+        "reduce_scatter_tensor": (
+            lambda x: xops.reduce_scatter_tensor(x),
+            lambda x: funcol.reduce_scatter_single_autograd(x, "sum", 0, world),
+            (4, 3),
+        ),
+        "all_gather_into_tensor": (
+            lambda x: xops.all_gather_into_tensor(x),
+            lambda x: funcol.all_gather_single_autograd(x, 0, world),
+            (2, 3),
+        ),
+    }
+    results = {}
+    for op_name, (ours, reference, shape) in cases.items():
+        per_engine = {}
+        # Backward seeds with a rank-dependent gradient so the gradient collective moves real data.
+        for engine in ("stock", "torch_ext", "reference"):
+            x = _leaf(rank, *shape)
+            y = (reference if engine == "reference" else ours)(x)
+            if isinstance(y, funcol.AsyncCollectiveTensor):
+                y = y.wait()
+            weights = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) * (rank + 1)
+            _backward((y * weights).sum(), "stock" if engine == "reference" else engine)
+            per_engine[engine] = {"forward": y.detach(), "grad": x.grad}
+        results[op_name] = per_engine
+    x = _leaf(rank, sum(sent), 3)
+    c10d_out = torch.empty(sum(received), 3)
+    dist.all_to_all_single(c10d_out, x.detach(), received, sent)
+    results["all_to_all_single"]["c10d"] = {"forward": c10d_out}
+    return results
+
+
+def _sparse_dense_loss(rank: int, collective) -> tuple[torch.Tensor, torch.Tensor, list, dict]:
+    """A recommendation-style graph: lookup -> collective -> one sparse layer; a dense chain created later.
+
+    Stock runs the dense chain first (higher sequence numbers); returns the loss, the sparse leaf, the
+    nodes to watch (name -> node) and a log the pre-hooks append (node name, works in flight) to.
+    """
+    received, sent = _splits(rank)
+    table = _leaf(rank, sum(sent), 3, salt=1)
+    exchanged = collective(table * 1.0, received, sent)
+    sparse = exchanged * 2.0
+    dense = _leaf(rank, 4, 3, salt=2)
+    weight = _leaf(rank, 3, 3, salt=3)
+    for _ in range(3):
+        dense = (dense @ weight).tanh()
+    loss = sparse.sum() + dense.sum()
+    log: list = []
+    watched = {
+        "sparse": sparse.grad_fn,
+        "collective": exchanged.grad_fn,
+        "dense_top": dense.grad_fn,
+        "dense_bottom": dense.grad_fn.next_functions[0][0].next_functions[0][0],
+        # The node that reads the collective's result: the `table * 1.0` MulBackward.
+        "consumer": exchanged.grad_fn.next_functions[0][0],
+    }
+    for label, node in watched.items():
+        node.register_prehook(lambda grads, label=label: log.append((label, in_flight())))
+    return loss, table, log, watched
+
+
+def _ours(x, received, sent):
+    return xops.all_to_all_single(x, received, sent)
+
+
+def _functional(x, received, sent):
+    return funcol.all_to_all_single_autograd(x, received, sent, dist.group.WORLD)
+
+
+def _scheduling(rank: int) -> dict:
+    """Node order and works in flight, per op family, engine and auto-priority setting."""
+    results = {}
+    for family, collective in (("torch_ext", _ours), ("functional", _functional)):
+        for variant in ("stock", "torch_ext", "torch_ext_auto_off"):
+            loss, table, log, watched = _sparse_dense_loss(rank, collective)
+            torch_ext.set_auto_collective_priority(variant != "torch_ext_auto_off")
+            try:
+                _backward(loss, "stock" if variant == "stock" else "torch_ext")
+            finally:
+                torch_ext.set_auto_collective_priority(True)
+            results[(family, variant)] = {
+                "log": list(log),
+                "grad": table.grad,
+                "in_flight_after": in_flight(),
+                "is_collective": _C.is_collective_node(watched["collective"]),
+            }
+    return results
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("dense backward failed")
+
+
+def _error_with_collective_in_flight(rank: int) -> dict:
+    """A node fails after the collective launched: the error propagates, the work is still waited on,
+    and the engine (and the ranks' collective sequence) stays usable."""
+    received, sent = _splits(rank)
+    table = _leaf(rank, sum(sent), 3)
+    exchanged = xops.all_to_all_single(table * 1.0, received, sent)
+    dense = _FailsInBackward.apply(_leaf(rank, 4, 3, salt=2))
+    loss = exchanged.sum() + dense.sum()
+    try:
+        torch_ext.backward(loss)
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    after_error = in_flight()
+    # Still in step: one more collective round trip on both ranks.
+    again = _leaf(rank, sum(sent), 3)
+    torch_ext.backward(xops.all_to_all_single(again, received, sent).sum())
+    return {"message": message, "in_flight_after_error": after_error, "grad_after": again.grad}
+
+
+def _opchecks(rank: int) -> dict:
+    received, sent = _splits(rank)
+    name = dist.group.WORLD.group_name
+    samples = {
+        "all_to_all_single": (
+            torch.ops.torch_ext.all_to_all_single.default,
+            (_leaf(rank, sum(sent), 3), received, sent, name),
+        ),
+        "all_reduce": (torch.ops.torch_ext.all_reduce.default, (_leaf(rank, 4, 3), "sum", name)),
+        "reduce_scatter_tensor": (
+            torch.ops.torch_ext.reduce_scatter_tensor.default,
+            (_leaf(rank, 4, 3), "sum", WORLD_SIZE, name),
+        ),
+        "all_gather_into_tensor": (
+            torch.ops.torch_ext.all_gather_into_tensor.default,
+            (_leaf(rank, 2, 3), WORLD_SIZE, name),
+        ),
+    }
+    return {op_name: torch.library.opcheck(op, args) for op_name, (op, args) in samples.items()}
+
+
+def _compiled(rank: int) -> dict:
+    """torch.compile(fullgraph=True) traces the ops, forward and backward (aot_eager: AOTAutograd's
+    tracing without Inductor's codegen, which adds minutes on this machine and nothing for the ops)."""
+    received, sent = _splits(rank)
+
+    def step(x, y):
+        exchanged = xops.all_to_all_single(x * 2.0, received, sent)
+        gathered = xops.all_gather_into_tensor(y)
+        return (exchanged.sum(0) * gathered.sum(0)).sum() + xops.all_reduce(y).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = {}
+    for label, fn in (("eager", step), ("compiled", compiled)):
+        x, y = _leaf(rank, sum(sent), 3), _leaf(rank, 2, 3, salt=1)
+        loss = fn(x, y)
+        torch_ext.backward(loss)
+        results[label] = {"loss": loss.detach(), "x_grad": x.grad, "y_grad": y.grad}
+    return results
+
+
+def _bad_input(rank: int) -> dict:
+    received, sent = _splits(rank)
+    x = _leaf(rank, sum(sent), 3)
+    attempts = {
+        "split_sum": lambda: xops.all_to_all_single(x, received, [s + 1 for s in sent]),
+        "split_count": lambda: xops.all_to_all_single(x, received + [1], sent + [1]),
+        "split_half_given": lambda: xops.all_to_all_single(x, received, None),
+        "equal_split_indivisible": lambda: xops.all_to_all_single(_leaf(rank, 3, 2)),
+        "reduce_op": lambda: xops.all_reduce(x, "max"),
+        "scatter_indivisible": lambda: xops.reduce_scatter_tensor(_leaf(rank, 3, 2)),
+        "group_type": lambda: xops.all_reduce(x, group=3),
+    }
+    messages = {}
+    for label, attempt in attempts.items():
+        try:
+            attempt()
+            messages[label] = None
+        except (ValueError, TypeError) as error:
+            messages[label] = f"{type(error).__name__}: {error}"
+    return messages
+
+
+def _run_everything(rank: int) -> dict:
+    return {
+        "values": _values(rank),
+        "scheduling": _scheduling(rank),
+        "error": _error_with_collective_in_flight(rank),
+        "opcheck": _opchecks(rank),
+        "compiled": _compiled(rank),
+        "bad_input": _bad_input(rank),
+    }
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory):
+    return run_ranks(_run_everything, tmp_path_factory.mktemp("collectives"))
+
+
+@pytest.mark.parametrize(
+    "op_name", ["all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"]
+)
+def test_values_match_stock(op_name, rank_results):
+    for rank, result in enumerate(rank_results):
+        runs = result["values"][op_name]
+        # Forward and input gradient: torch_ext's op, on either engine, equals PyTorch's own.
+        assert_identical(runs["stock"], runs["reference"], f"rank {rank} {op_name} stock engine")
+        assert_identical(runs["torch_ext"], runs["reference"], f"rank {rank} {op_name} torch_ext engine")
+        if "c10d" in runs:
+            assert torch.equal(runs["stock"]["forward"], runs["c10d"]["forward"])
+
+
+def _order(log) -> list[str]:
+    return [label for label, _ in log]
+
+
+@pytest.mark.parametrize("family", ["torch_ext", "functional"])
+def test_collective_launches_first_on_torch_ext(family, rank_results):
+    for rank, result in enumerate(rank_results):
+        runs = {
+            variant: result["scheduling"][(family, variant)] for variant in ("stock", "torch_ext", "torch_ext_auto_off")
+        }
+        assert runs["stock"]["is_collective"], "the engine does not recognise the collective's node"
+        stock_order = _order(runs["stock"]["log"])
+        ours_order = _order(runs["torch_ext"]["log"])
+        # Stock: the dense chain (created later) runs before the collective.
+        assert stock_order.index("dense_bottom") < stock_order.index("collective"), stock_order
+        # torch_ext: straight from the loss to the collective, then the dense chain.
+        assert ours_order[:2] == ["sparse", "collective"], ours_order
+        assert ours_order.index("collective") < ours_order.index("dense_top")
+        # With the automatic priority off, stock's order.
+        assert _order(runs["torch_ext_auto_off"]["log"]) == stock_order
+        for variant, run in runs.items():
+            assert torch.equal(run["grad"], runs["stock"]["grad"]), f"rank {rank} {variant}"
+            assert run["in_flight_after"] == 0, f"rank {rank} {variant}: a collective was never waited on"
+
+
+def test_backward_collective_overlaps_later_nodes(rank_results):
+    """torch_ext's op leaves its gradient collective in flight while the dense chain runs, and its
+    reader (the consumer) runs last and waits; on stock nothing is ever in flight at a node."""
+    for rank, result in enumerate(rank_results):
+        ours = result["scheduling"][("torch_ext", "torch_ext")]["log"]
+        in_flight_at = dict(ours)
+        assert in_flight_at["dense_top"] == 1 and in_flight_at["dense_bottom"] == 1, ours
+        assert _order(ours)[-1] == "consumer", ours
+        for variant in ("stock", "torch_ext_auto_off"):
+            log = result["scheduling"][("torch_ext", variant)]["log"]
+            # Auto-priority off still defers, but the dense chain already ran before the launch.
+            assert all(count == 0 for label, count in log if label != "consumer"), (variant, log)
+        # PyTorch's functional collectives wait inside their own node.
+        functional = result["scheduling"][("functional", "torch_ext")]["log"]
+        assert all(count == 0 for _, count in functional), functional
+
+
+def test_error_after_launch_still_waits(rank_results):
+    for rank, result in enumerate(rank_results):
+        error = result["error"]
+        assert error["message"] is not None and "dense backward failed" in error["message"]
+        assert error["in_flight_after_error"] == 0
+        assert error["grad_after"] is not None
+
+
+@pytest.mark.parametrize(
+    "op_name", ["all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"]
+)
+def test_opcheck(op_name, rank_results):
+    for result in rank_results:
+        outcomes = result["opcheck"][op_name]
+        assert outcomes and all(outcome == "SUCCESS" for outcome in outcomes.values()), outcomes
+
+
+def test_compile_fullgraph(rank_results):
+    for rank, result in enumerate(rank_results):
+        assert_identical(result["compiled"]["compiled"], result["compiled"]["eager"], f"rank {rank} compiled")
+
+
+def test_bad_input_errors(rank_results):
+    expected = {
+        "split_sum": "ValueError: torch_ext.ops.all_to_all_single: input_split_sizes sum to",
+        "split_count": "ValueError: torch_ext.ops.all_to_all_single: output_split_sizes has 3 entries, the group has 2",
+        "split_half_given": "ValueError: torch_ext.ops.all_to_all_single: give both",
+        "equal_split_indivisible": "ValueError: torch_ext.ops.all_to_all_single: equal splits need",
+        "reduce_op": "ValueError: torch_ext.ops.all_reduce: reduce_op must be one of",
+        "scatter_indivisible": "ValueError: torch_ext.ops.reduce_scatter_tensor: input.shape[0] must be divisible",
+        "group_type": "TypeError: torch_ext.ops.all_reduce: group must be a torch.distributed.ProcessGroup",
+    }
+    for result in rank_results:
+        for label, prefix in expected.items():
+            message = result["bad_input"][label]
+            assert message is not None and message.startswith(prefix), (label, message)
+
+
+def test_no_process_group_is_a_clear_error():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"torch_ext.ops.all_to_all_single: no process group"):
+        xops.all_to_all_single(torch.ones(2, 2))
