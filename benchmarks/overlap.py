@@ -1,0 +1,393 @@
+"""Overlap of a backward all_to_all with the rest of backward: stock PyTorch against torch_ext.
+
+The scenario is a recommendation model's step on 2 gloo ranks:
+
+  sparse  embedding lookup -> all_to_all_single -> SPARSE_LAYERS cheap per-row layers -> pooled
+  dense   an MLP of calibrated depth (Linear(HIDDEN, HIDDEN) + ReLU), created after the sparse part
+  over    concat(sparse, dense) -> Linear -> ReLU -> Linear -> sum
+
+In backward, stock runs ready nodes by descending sequence number, so after the overarch it runs the
+whole dense MLP (created later) before the sparse layers, and only then the all_to_all's backward,
+whose communication is exposed at the end of the step. Boosting the all_to_all's node with
+``grad_fn._set_sequence_nr`` (PyTorch PR #114120) does not help here: the node is not ready until
+the sparse layers between it and the loss have run, and they keep their order. torch_ext propagates
+the collective's automatic priority to every node on the path from the loss, launches the
+all_to_all, runs the dense MLP while it is in flight and waits only at the embedding's backward.
+
+Variants, each timed as the backward call alone (forward, which waits for its own all_to_all, is
+not timed), the slowest rank's time counting for the step:
+
+  stock              PyTorch's functional all_to_all (``all_to_all_single_autograd``), stock engine
+  stock+seq_nr       the same, with the all_to_all's node boosted by ``_set_sequence_nr``
+  torch_ext          ``torch_ext.ops.all_to_all_single`` on torch_ext's engine (automatic priority,
+                     wait at first use)
+  torch_ext(funcol)  PyTorch's functional all_to_all on torch_ext's engine: priority alone, the
+                     functional op still waits inside its node
+  compute            the same graph with the all_to_all replaced by a local copy (T_compute)
+  comm               the backward all_to_all alone (T_comm)
+
+Overlap efficiency = (T_compute + T_comm - T_step) / T_comm, from medians: 1 when the communication
+is completely hidden, 0 when it is fully exposed.
+
+Communication and compute are sized to be comparable: the all_to_all sends ``--payload-mib`` MiB
+to the other rank; the script measures its backward alone and one dense layer's backward, and picks
+the dense depth whose backward takes about as long as the communication (both ranks agree on the
+larger depth).
+
+On this machine's loopback, gloo's transfer is kernel memcpy on the same two cores the ranks compute
+on, so nothing can overlap (DESIGN.md, "Measuring overlap on this machine"). A real NIC moves bytes
+without the CPU; to model one the script runs the ranks in a private network namespace whose
+loopback is rate-limited to LINK_RATE with HTB (needs root and iproute2). When the namespace cannot
+be made it says so and falls back to plain loopback, where no engine can show overlap.
+
+    python benchmarks/overlap.py [--quick] [--reps N] [--payload-mib M] [--no-netns] [--out CSV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from _common import Summary, csv_row, git_sha, summarize, write_csv
+from torch import nn
+
+import torch_ext
+import torch_ext.ops
+
+WORLD_SIZE = 2
+# The modelled NIC. At 1 Gbit/s a few MiB take tens of milliseconds, comparable to a few dense
+# layers' backward on one core here, and the HTB shaper (not memcpy) sets the transfer time.
+LINK_RATE = "1gbit"
+NETNS_PREFIX = "torch_ext_overlap"
+
+BATCH = 256
+FEATURES = 16  # embedding lookups per sample
+HIDDEN = 1024
+SPARSE_LAYERS = 3
+MAX_DENSE_LAYERS = 24
+# _set_sequence_nr boost, as PR #114120 suggests: above every sequence number a forward makes.
+SEQUENCE_NR_BOOST = 2**62
+
+VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)", "compute", "comm")
+COLLECTIVE_VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)")
+
+
+@dataclass(frozen=True)
+class Config:
+    payload_mib: float
+    reps: int
+    warmup: int
+    calibration_reps: int
+
+    @property
+    def embedding_dim(self) -> int:
+        # Half of every rank's lookup rows go to the other rank: rows * dim * 4 bytes / 2 = payload.
+        rows = BATCH * FEATURES
+        return max(8, round(self.payload_mib * 2**20 * 2 / 4 / rows))
+
+
+class Model(nn.Module):
+    def __init__(self, dim: int, dense_layers: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(BATCH * FEATURES, dim) * 0.1)
+        # Cheap per-row layers between the all_to_all and the loss: several nodes, little compute.
+        self.sparse_scale = nn.ParameterList(nn.Parameter(torch.ones(dim)) for _ in range(SPARSE_LAYERS))
+        self.sparse_shift = nn.ParameterList(nn.Parameter(torch.zeros(dim)) for _ in range(SPARSE_LAYERS))
+        self.dense = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(dense_layers))
+        self.over = nn.Sequential(nn.Linear(dim + HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+    def forward(self, lookups: torch.Tensor, dense_in: torch.Tensor, exchange) -> torch.Tensor:
+        rows = F.embedding(lookups, self.table)
+        exchanged = exchange(rows)
+        sparse = exchanged
+        for scale, shift in zip(self.sparse_scale, self.sparse_shift, strict=True):
+            sparse = torch.relu(sparse * scale + shift)
+        pooled = sparse.view(BATCH, FEATURES, -1).sum(1)
+        dense = dense_in
+        for layer in self.dense:
+            dense = torch.relu(layer(dense))
+        return self.over(torch.cat([pooled, dense], dim=1)).sum()
+
+
+def _funcol_exchange(rows: torch.Tensor) -> torch.Tensor:
+    return funcol.all_to_all_single_autograd(rows, None, None, dist.group.WORLD)
+
+
+def _boosted_funcol_exchange(rows: torch.Tensor) -> torch.Tensor:
+    exchanged = _funcol_exchange(rows)
+    exchanged.grad_fn._set_sequence_nr(SEQUENCE_NR_BOOST)
+    return exchanged
+
+
+def _torch_ext_exchange(rows: torch.Tensor) -> torch.Tensor:
+    return torch_ext.ops.all_to_all_single(rows)
+
+
+def _local_exchange(rows: torch.Tensor) -> torch.Tensor:
+    return rows * 1.0
+
+
+EXCHANGES = {
+    "stock": (_funcol_exchange, False),
+    "stock+seq_nr": (_boosted_funcol_exchange, False),
+    "torch_ext": (_torch_ext_exchange, True),
+    "torch_ext(funcol)": (_funcol_exchange, True),
+    "compute": (_local_exchange, False),
+}
+
+
+def _backward(loss: torch.Tensor, on_torch_ext: bool) -> None:
+    if on_torch_ext:
+        torch_ext.backward(loss)
+    else:
+        loss.backward()
+
+
+def _timed_backward(loss: torch.Tensor, on_torch_ext: bool) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    _backward(loss, on_torch_ext)
+    return time.perf_counter() - start
+
+
+def _comm_only(dim: int) -> float:
+    rows = torch.randn(BATCH * FEATURES, dim, requires_grad=True)
+    exchanged = _funcol_exchange(rows)
+    loss = (exchanged * 1.0).sum()
+    return _timed_backward(loss, on_torch_ext=False)
+
+
+def _step(model: Model, inputs, variant: str, dim: int) -> float:
+    if variant == "comm":
+        return _comm_only(dim)
+    exchange, on_torch_ext = EXCHANGES[variant]
+    model.zero_grad(set_to_none=True)
+    loss = model(*inputs, exchange)
+    return _timed_backward(loss, on_torch_ext)
+
+
+def _dense_layer_backward_s(reps: int) -> float:
+    layer = nn.Linear(HIDDEN, HIDDEN)
+    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    times = []
+    for _ in range(reps):
+        loss = torch.relu(layer(x)).sum()
+        start = time.perf_counter()
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _agreed_max(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def _check_same_gradients(model: Model, inputs) -> None:
+    """Every collective variant computes the same gradients, bit for bit."""
+    reference = None
+    for variant in COLLECTIVE_VARIANTS:
+        exchange, on_torch_ext = EXCHANGES[variant]
+        model.zero_grad(set_to_none=True)
+        _backward(model(*inputs, exchange), on_torch_ext)
+        grads = [p.grad.clone() for p in model.parameters()]
+        if reference is None:
+            reference = grads
+        elif not all(torch.equal(a, b) for a, b in zip(grads, reference, strict=True)):
+            raise AssertionError(f"{variant} computed different gradients from stock")
+
+
+def _run_rank(rank: int, port: int, config: Config, queue) -> None:
+    torch.set_num_threads(1)  # two ranks share two cores
+    torch.manual_seed(rank)
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timeout)
+    try:
+        dim = config.embedding_dim
+        t_comm = _agreed_max(statistics.median(_comm_only(dim) for _ in range(config.calibration_reps)))
+        t_layer = _agreed_max(_dense_layer_backward_s(config.calibration_reps))
+        dense_layers = int(min(MAX_DENSE_LAYERS, max(1, round(t_comm / t_layer))))
+        model = Model(dim, dense_layers)
+        inputs = (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))
+        _check_same_gradients(model, inputs)
+
+        times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+        for rep in range(config.warmup + config.reps):
+            # Alternate the variants within each repetition, rotating which goes first, so drift
+            # in the machine's load spreads evenly over them.
+            order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
+            for variant in order:
+                elapsed = _step(model, inputs, variant, dim)
+                if rep >= config.warmup:
+                    times[variant].append(elapsed)
+        # The step takes as long as its slowest rank.
+        gathered: list = [None] * WORLD_SIZE
+        dist.all_gather_object(gathered, times)
+        if rank == 0:
+            slowest = {
+                variant: [max(rank_times[variant][i] for rank_times in gathered) for i in range(config.reps)]
+                for variant in VARIANTS
+            }
+            queue.put(
+                {
+                    "times": slowest,
+                    "dense_layers": dense_layers,
+                    "dim": dim,
+                    "calibration": {"comm_s": t_comm, "dense_layer_s": t_layer},
+                }
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(config: Config) -> dict:
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = [
+        context.Process(target=_run_rank, args=(rank, store.port, config, queue), daemon=True)
+        for rank in range(WORLD_SIZE)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        result = queue.get(timeout=1800)
+    finally:
+        for process in ranks:
+            process.join(timeout=60)
+            if process.exitcode is None:
+                process.kill()
+    failed = [rank for rank, process in enumerate(ranks) if process.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"ranks {failed} failed")
+    return result
+
+
+# --- the rate-limited network namespace --------------------------------------------------------
+
+
+def _ip(*args: str, netns: str | None = None) -> None:
+    command = ["ip", "netns", "exec", netns, *args] if netns else list(args)
+    subprocess.run(command, check=True, capture_output=True, text=True)
+
+
+def make_rate_limited_netns() -> tuple[str | None, str]:
+    """A fresh network namespace whose loopback is shaped to LINK_RATE; (name, "") or (None, why not)."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return None, "iproute2 (ip, tc) is not installed"
+    if os.geteuid() != 0:
+        return None, "making a network namespace needs root"
+    name = f"{NETNS_PREFIX}_{os.getpid()}"
+    try:
+        _ip("ip", "netns", "add", name)
+    except subprocess.CalledProcessError as error:
+        return None, f"ip netns add failed: {error.stderr.strip()}"
+    try:
+        _ip("ip", "link", "set", "lo", "up", netns=name)
+        _ip("tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10", netns=name)
+        _ip(
+            "tc", "class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb",
+            "rate", LINK_RATE, "ceil", LINK_RATE, netns=name,
+        )  # fmt: skip
+    except subprocess.CalledProcessError as error:
+        delete_netns(name)
+        return None, f"shaping the namespace's loopback failed: {error.stderr.strip()}"
+    return name, ""
+
+
+def delete_netns(name: str) -> None:
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def report(result: dict, link: str, out: str) -> list[tuple[str, Summary, float, float | None]]:
+    times = result["times"]
+    medians = {variant: statistics.median(samples) for variant, samples in times.items()}
+    t_compute, t_comm = medians["compute"], medians["comm"]
+    sha = git_sha()
+    size = f"{result['dim']}d x {BATCH * FEATURES} rows, {result['dense_layers']} dense layers, {link}"
+    rows, table = [], []
+    for variant in VARIANTS:
+        summary = summarize([t * 1e3 for t in times[variant]])
+        rows.append(csv_row(variant, "overlap", size, "backward_ms", summary, sha))
+        ratio = medians[variant] / medians["stock"]
+        efficiency = None
+        if variant in COLLECTIVE_VARIANTS:
+            efficiency = (t_compute + t_comm - medians[variant]) / t_comm
+            rows.append(
+                csv_row(variant, "overlap", size, "efficiency", Summary(efficiency, efficiency, efficiency), sha)
+            )
+        table.append((variant, summary, ratio, efficiency))
+    write_csv(out, rows)
+
+    print(f"\noverlap: {size}; T_compute {t_compute * 1e3:.1f} ms, T_comm {t_comm * 1e3:.1f} ms")
+    print(f"{'variant':<20} {'backward ms: median [p20-p80]':<32} {'/stock':>7} {'efficiency':>11}")
+    for variant, summary, ratio, efficiency in table:
+        eff = f"{efficiency:11.2f}" if efficiency is not None else f"{'':>11}"
+        print(f"{variant:<20} {summary!s:<32} {ratio:7.2f} {eff}")
+    print(f"wrote {out}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller payload, fewer repetitions (~1 min)")
+    parser.add_argument("--reps", type=int, help="timed repetitions of every variant")
+    parser.add_argument("--payload-mib", type=float, help="MiB each rank sends the other (default 4; quick 2)")
+    parser.add_argument("--no-netns", action="store_true", help="plain loopback, no rate-limited namespace")
+    parser.add_argument("--out", default="results/overlap.csv", help="long-format CSV to write")
+    parser.add_argument("--inside-netns", help=argparse.SUPPRESS)  # set when re-run inside the namespace
+    args = parser.parse_args(argv)
+    if args.reps is not None and args.reps < 2:
+        parser.error("--reps must be at least 2 (percentiles need two samples)")
+
+    if args.inside_netns is None and not args.no_netns:
+        netns, why_not = make_rate_limited_netns()
+        if netns is not None:
+            forwarded = sys.argv[1:] if argv is None else argv
+            try:
+                command = [sys.executable, os.path.abspath(__file__), *forwarded, "--inside-netns", LINK_RATE]
+                return subprocess.run(["ip", "netns", "exec", netns, *command]).returncode
+            finally:
+                delete_netns(netns)
+        print(
+            f"overlap: no rate-limited network namespace ({why_not}); falling back to plain loopback, where "
+            "gloo's copies compete with compute for the same cores and no engine can show overlap",
+            flush=True,
+        )
+    link = f"loopback shaped to {args.inside_netns}" if args.inside_netns else "plain loopback"
+
+    config = Config(
+        payload_mib=args.payload_mib or (2.0 if args.quick else 4.0),
+        reps=args.reps or (8 if args.quick else 30),
+        warmup=1 if args.quick else 3,
+        calibration_reps=3 if args.quick else 7,
+    )
+    print(
+        f"overlap: torch {torch.__version__}, {WORLD_SIZE} gloo ranks on {link}, {config.payload_mib:g} MiB "
+        f"each way, {config.reps} repetitions of {len(VARIANTS)} variants",
+        file=sys.stderr,
+        flush=True,
+    )
+    report(run_ranks(config), link, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
