@@ -310,7 +310,7 @@ def make_rate_limited_netns() -> tuple[str | None, str]:
 
 
 def delete_netns(name: str) -> None:
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             forwarded = sys.argv[1:] if argv is None else argv
             try:
                 command = [sys.executable, os.path.abspath(__file__), *forwarded, "--inside-netns", LINK_RATE]
-                return subprocess.run(["ip", "netns", "exec", netns, *command]).returncode
+                return subprocess.run(["ip", "netns", "exec", netns, *command], check=False).returncode
             finally:
                 delete_netns(netns)
         print(
