@@ -55,7 +55,11 @@ bool is_collective_class_name(std::string_view name) {
 
 bool is_collective_node(const torch::autograd::Node& fn) {
   const std::type_info* python_node = python_node_type.load(std::memory_order_relaxed);
-  if (python_node == nullptr || typeid(fn) != *python_node) {
+  // Address comparison: the one type_info object of PyNode lives in
+  // libtorch_python (this library cannot even name it), while
+  // type_info::operator== falls back to strcmp on the mangled names, which
+  // share their first 16 characters across torch's autograd nodes.
+  if (python_node == nullptr || &typeid(fn) != python_node) {
     return false;
   }
   // The class name is read without the GIL: a PyNode's Python object (its

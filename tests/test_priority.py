@@ -238,3 +238,75 @@ def test_priorities_do_not_change_sequence_nr():
 def test_bad_input_raises_clear_errors(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def _named_function(class_name):
+    """A pass-through autograd.Function whose node class is ``class_name + "Backward"``: the way
+    torch.library.register_autograd names the Function of an op (``GeneratedBackwardFor_{ns}_{op}_{overload}``),
+    so the engine takes a matching name for a collective's node."""
+
+    def forward(ctx, x):
+        return x.clone()
+
+    def backward(ctx, grad):
+        return grad
+
+    return type(
+        class_name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    )
+
+
+@pytest.mark.parametrize(
+    "class_name, is_collective",
+    [
+        ("GeneratedBackwardFor__c10d_functional_all_to_all_single_default", True),
+        ("GeneratedBackwardFor__c10d_functional_autograd_all_gather_into_tensor_default", True),
+        ("GeneratedBackwardFor_torch_ext_reduce_scatter_tensor_default", True),
+        ("GeneratedBackwardFor__c10d_functional_wait_tensor_default", False),
+        ("GeneratedBackwardFor_torch_ext_backward_default", False),
+        ("GeneratedBackwardFor_mylib_all_to_all_single_default", False),
+        ("AllToAll", False),
+    ],
+)
+def test_collective_nodes_are_recognised_by_their_generated_class(class_name, is_collective):
+    node = _named_function(class_name).apply(torch.ones(2, requires_grad=True)).grad_fn
+    assert torch_ext._C.is_collective_node(node) is is_collective
+    # C++ nodes never are.
+    assert not torch_ext._C.is_collective_node((torch.ones(2, requires_grad=True) * 2).grad_fn)
+
+
+def test_collectives_get_a_propagated_priority_unless_switched_off():
+    collective = _named_function("GeneratedBackwardFor__c10d_functional_all_to_all_single_default")
+
+    def run(on_torch_ext):
+        loss, lookup, w_sparse, w_dense, leaves = recsys_like()
+        # Stands for the all_to_all: between the table's lookup and the sparse layers.
+        exchanged = collective.apply(lookup)
+        sparse = exchanged
+        for w in w_sparse:
+            sparse = torch.tanh(sparse @ w)
+        dense = torch.randn(2, 4)
+        for w in w_dense:
+            dense = torch.relu(dense @ w)
+        loss = (sparse * dense).sum()
+        order = []
+        exchanged.grad_fn.register_prehook(lambda grads: order.append("collective"))
+        dense.grad_fn.register_prehook(lambda grads: order.append("dense_top"))
+        (torch_ext.backward if on_torch_ext else torch.autograd.backward)(loss)
+        return order, [leaf.grad for leaf in leaves]
+
+    stock_order, stock_grads = run(False)
+    assert stock_order == ["dense_top", "collective"]
+    assert torch_ext.auto_collective_priority()
+    ext_order, ext_grads = run(True)
+    assert ext_order == ["collective", "dense_top"]
+    assert_grads_equal(stock_grads, ext_grads)
+    torch_ext.set_auto_collective_priority(False)
+    try:
+        off_order, off_grads = run(True)
+    finally:
+        torch_ext.set_auto_collective_priority(True)
+    assert off_order == stock_order
+    assert_grads_equal(stock_grads, off_grads)
+    with pytest.raises(TypeError, match="expected a bool"):
+        torch_ext.set_auto_collective_priority(1)
