@@ -310,3 +310,15 @@ def test_collectives_get_a_propagated_priority_unless_switched_off():
     assert_grads_equal(stock_grads, off_grads)
     with pytest.raises(TypeError, match="expected a bool"):
         torch_ext.set_auto_collective_priority(1)
+
+
+def test_engine_run_backward_accepts_priorities():
+    def ext_run(loss, lookup, w_sparse, w_dense):
+        torch_ext.Engine().run_backward(
+            (loss,), (torch.ones_like(loss),), False, False, (), True, True, priorities={lookup: 5}
+        )
+
+    stock_order, stock_grads, (lookup, *_) = run_and_record(stock_run)
+    ext_order, ext_grads, (ext_lookup, *_) = run_and_record(ext_run)
+    assert_grads_equal(stock_grads, ext_grads)
+    assert position(ext_order, ext_lookup.grad_fn) < len(ext_order) // 2 < position(stock_order, lookup.grad_fn)

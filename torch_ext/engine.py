@@ -54,13 +54,26 @@ class Engine:
         inputs=None,
         allow_unreachable=False,
         accumulate_grad=False,
+        *,
+        priorities=None,
     ):
+        """``torch._C._EngineBase.run_backward`` on torch_ext's engine.
+
+        ``priorities`` (``{tensor, Node or GradientEdge: int}``) apply to this call only, as for
+        :func:`torch_ext.backward`.
+        """
+        overrides = priority_overrides(priorities, "Engine.run_backward")
         if _compiled_autograd_enabled():
+            if overrides:
+                raise RuntimeError(
+                    "torch_ext.Engine.run_backward: priorities= cannot apply under compiled autograd, "
+                    "whose backward runs on the stock engine"
+                )
             return _STOCK_ENGINE.run_backward(
                 tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad
             )
         return _C.run_backward(
-            tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad
+            tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad, overrides
         )
 
     def queue_callback(self, callback) -> None:
