@@ -6,11 +6,15 @@ for and the one it found) when that is not possible; see torch_ext/_loader.py.
 
 from torch_ext.engine import Engine, backward, disable, enable, enabled, grad, is_enabled
 from torch_ext.priority import LAUNCH_FIRST, clear_priority, get_priority, launch_first, set_priority
+from torch_ext.split import SplitState, backward_input, backward_weight
 
 __all__ = [
     "LAUNCH_FIRST",
     "Engine",
+    "SplitState",
     "backward",
+    "backward_input",
+    "backward_weight",
     "clear_priority",
     "disable",
     "enable",
