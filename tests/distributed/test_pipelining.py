@@ -5,6 +5,11 @@ Two gloo ranks run a 4-stage pipeline, two stages per rank, with each zero-bubbl
 step runs each microbatch's forward ("F"), input pass ("I") and, later, weight pass ("W"). Both runs
 start from the same parameters and see the same data; the losses and the parameters after a few SGD
 steps must be equal bit for bit.
+
+The same process group also trains a DistributedDataParallel model with torch_ext's split backward
+against a full stock backward: DDP all-reduces from hooks on AccumulateGrad and finishes in a final
+callback, so its gradients are averaged only if the weight pass runs AccumulateGrad inside a graph
+task (pytorch#144530: stock's split assigns .grad and DDP never sees it).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import torch.nn.functional as F
 from _harness import assert_identical, run_ranks
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+from torch.nn.parallel import DistributedDataParallel
 
+import torch_ext
 import torch_ext.pipelining
 
 pytestmark = pytest.mark.distributed
@@ -84,19 +91,44 @@ def _train(schedule_name: str, rank: int, on_torch_ext: bool) -> dict:
     return {"params": params, "losses": losses, "hook_calls": hook_calls}
 
 
-def _train_every_schedule(rank: int) -> dict:
+def _train_ddp(rank: int, split: bool) -> dict:
+    """DDP, one microbatch per step: a full stock backward, or torch_ext's input then weight pass."""
+    model = _stage_module(0)
+    ddp_model = DistributedDataParallel(model, bucket_cap_mb=1e-4)  # several buckets
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    # Different data on each rank, the same for both runs.
+    generator = torch.Generator().manual_seed(rank)
+    grads = []
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, WIDTH, generator=generator).requires_grad_()
+        target = torch.randn(BATCH, WIDTH, generator=generator)
+        optimizer.zero_grad()
+        loss = F.mse_loss(ddp_model(x), target)
+        if split:
+            _, state = torch_ext.backward_input(loss, None, [x], list(model.parameters()))
+            assert all(p.grad is None for p in model.parameters())
+            torch_ext.backward_weight(state)
+        else:
+            loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        optimizer.step()
+    return {"grads": grads, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def _train_every_case(rank: int) -> dict:
     results = {}
     for name in SCHEDULES:
         results[name] = {
             "stock": _train(name, rank, on_torch_ext=False),
             "torch_ext": _train(name, rank, on_torch_ext=True),
         }
+    results["ddp"] = {"stock": _train_ddp(rank, split=False), "torch_ext": _train_ddp(rank, split=True)}
     return results
 
 
 @pytest.fixture(scope="module")
 def pipelining_results(tmp_path_factory) -> list[dict]:
-    return run_ranks(_train_every_schedule, tmp_path_factory.mktemp("pipelining"))
+    return run_ranks(_train_every_case, tmp_path_factory.mktemp("pipelining"))
 
 
 @pytest.mark.parametrize("schedule_name", list(SCHEDULES))
@@ -112,3 +144,12 @@ def test_zero_bubble_training_matches_stock_split(schedule_name, pipelining_resu
             assert calls == STEPS * MICROBATCHES * params_per_stage, f"rank {rank} stage {index}"
             if index != 0:
                 assert stock["hook_calls"][index] == 0, f"rank {rank} stage {index}"
+
+
+def test_ddp_averages_gradients_of_the_weight_pass(pipelining_results):
+    for rank, result in enumerate(pipelining_results):
+        stock, ours = result["ddp"]["stock"], result["ddp"]["torch_ext"]
+        assert_identical(ours, stock, f"rank {rank}")
+    # The ranks saw different data and hold the same (all-reduced) gradients.
+    first, second = (result["ddp"]["torch_ext"] for result in pipelining_results)
+    assert_identical(second["grads"], first["grads"], "rank 1 vs rank 0")
