@@ -99,17 +99,19 @@ class BackwardCall {
     return failed_node_;
   }
 
-  // Seeding, public for SplitPass::seed. Delivers each root gradient along
-  // its root edge.
-  void seed_roots();
-  // Adds `grad` to input `input_nr` of `target`, making it ready if that was
-  // its last pending edge.
-  void deliver(
+  // Seeding, for SplitPass::seed: every root, as an ordinary call does;
+  // one gradient along one edge (deliver); a node made ready with its
+  // gradients.
+  void seed_all_roots() {
+    seed_roots();
+  }
+  void seed_gradient(
       int32_t target,
       uint32_t input_nr,
       at::Tensor&& grad,
-      const std::optional<c10::Stream>& producer_stream);
-  // Makes `slot` ready with the gradients `inputs`.
+      const std::optional<c10::Stream>& producer_stream) {
+    deliver(target, input_nr, std::move(grad), producer_stream);
+  }
   void seed_ready(int32_t slot, InputBuffer&& inputs);
 
  private:
@@ -117,8 +119,16 @@ class BackwardCall {
   // read it (task_should_compute_output, _will_engine_execute_node,
   // register_multi_grad_hook) see the real graph.
   void publish_plan_to_host_task();
+  void seed_roots();
   // Executes one ready node (node_executor.cpp).
   void execute_node(int32_t slot);
+  // Adds `grad` to input `input_nr` of `target`, making it ready if that was
+  // its last pending edge.
+  void deliver(
+      int32_t target,
+      uint32_t input_nr,
+      at::Tensor&& grad,
+      const std::optional<c10::Stream>& producer_stream);
   void sync_leaf_streams_with_caller();
 
   edge_list roots_;

@@ -201,7 +201,7 @@ class InputPass final : public SplitPass {
     // A single root in W has nothing to run now; stock would still run its
     // tensor pre-hooks, which the weight pass does.
     if (!single_root_on_weight_side_) {
-      call.seed_roots();
+      call.seed_all_roots();
     }
   }
 
@@ -433,7 +433,8 @@ class WeightPass final : public SplitPass {
     // order (sequence_nr), which is their order in a full backward, so every
     // input buffer of W sums its gradients in the same order.
     for (auto& root : state_.weight_side_roots) {
-      call.deliver(root.slot, root.input_nr, std::move(root.grad), root.stream);
+      call.seed_gradient(
+          root.slot, root.input_nr, std::move(root.grad), root.stream);
     }
     for (auto& frontier : state_.frontier) {
       if (frontier.inputs.has_value()) {
