@@ -5,6 +5,9 @@ The stage: ``depth`` blocks of Linear(width, 4*width) -> GELU -> Linear(4*width,
 on ``tokens`` rows, with an input that requires grad (a middle pipeline stage) and a random output
 gradient (what the next stage sends back). Nearly all of backward is matmuls: a full backward does
 two per Linear (input and weight gradient), the input pass (dI) one, the weight pass (dW) the other.
+A second case wraps each block in non-reentrant activation checkpointing: each pass of a split
+backward is its own graph task and recomputes the blocks it needs, so a split costs one more
+forward of the stage than a full backward.
 
 Variants, each asked for the stage's input gradient and its weights' .grad:
 
@@ -49,6 +52,7 @@ import torch
 from _common import Summary, csv_row, git_sha, summarize, timed_call, write_csv
 from torch import nn
 from torch.distributed.pipelining import _backward as pipelining_backward
+from torch.utils.checkpoint import checkpoint
 
 import torch_ext.pipelining
 
@@ -60,10 +64,15 @@ DEFAULT_THREADS = 1
 
 @dataclass(frozen=True)
 class StageConfig:
+    name: str = "mlp_stage"
     depth: int = 6
     width: int = 256
     tokens: int = 256
-    # ~70 ms per repetition of all three variants here (stock full backward ~25 ms).
+    # Non-reentrant activation checkpointing around each block (pytorch#136766: stock's split ran
+    # out of memory with it).
+    checkpointed: bool = False
+    # Measured here: ~170 ms per repetition of all three variants, forwards included (stock full
+    # backward ~55 ms); ~230 ms checkpointed. The defaults run in ~25 s in all.
     reps: int = 40
     quick_reps: int = 6
 
@@ -72,13 +81,22 @@ class StageConfig:
         return f"{self.depth}x({self.width}->{4 * self.width})/t{self.tokens}"
 
 
+CASES = (StageConfig(), StageConfig(name="mlp_stage_checkpointed", checkpointed=True, reps=30))
+
+
 class Block(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, checkpointed: bool) -> None:
         super().__init__()
         self.up = nn.Linear(width, 4 * width)
         self.down = nn.Linear(4 * width, width)
+        self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(nn.functional.gelu(self.up(x)))
 
 
@@ -155,7 +173,7 @@ VARIANTS = (
 
 def make_stage(config: StageConfig) -> tuple[nn.Module, Callable[[], StageRun]]:
     torch.manual_seed(0)
-    model = nn.Sequential(*(Block(config.width) for _ in range(config.depth)))
+    model = nn.Sequential(*(Block(config.width, config.checkpointed) for _ in range(config.depth)))
     x_data = torch.randn(config.tokens, config.width)
     grad = torch.randn(config.tokens, config.width)
 
@@ -239,26 +257,10 @@ def profile_memory(variant: Variant, model: nn.Module, forward: Callable[[], Sta
     return MemoryProfile(peaks, held)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
-    parser.add_argument("--reps", type=int, help="timed repetitions of each variant")
-    parser.add_argument("--out", default="results/split_backward.csv", help="long-format CSV to write")
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads (default 1)")
-    args = parser.parse_args(argv)
-    if args.reps is not None and args.reps < 2:
-        parser.error("--reps must be at least 2 (percentiles need two samples)")
-    torch.set_num_threads(args.threads)
-    config = StageConfig()
-    reps = args.reps if args.reps is not None else (config.quick_reps if args.quick else config.reps)
-    warmup = 1 if args.quick else WARMUP_REPS
-    sha = git_sha()
-    print(f"torch {torch.__version__}, git {sha}, {torch.get_num_threads()} intra-op threads; stage {config.size}")
-    started = time.perf_counter()
-
+def run_case(config: StageConfig, warmup: int, sha: str) -> list[dict[str, object]]:
     model, forward = make_stage(config)
     check_same_gradients(model, forward)
-    samples = time_alternating(model, forward, reps, warmup)
+    samples = time_alternating(model, forward, config.reps, warmup)
     memory = {variant.name: profile_memory(variant, model, forward) for variant in VARIANTS}
 
     rows = []
@@ -269,14 +271,14 @@ def main(argv: list[str] | None = None) -> int:
             ms[name]["dI"] = summarize([r.input_pass_ns / 1e6 for r in results])
             ms[name]["dW"] = summarize([r.weight_pass_ns / 1e6 for r in results])
         for metric, summary in ms[name].items():
-            rows.append(csv_row(name, "mlp_stage", config.size, f"{metric}_ms", summary, sha))
+            rows.append(csv_row(name, config.name, config.size, f"{metric}_ms", summary, sha))
         for metric, peak in memory[name].peak_above_start.items():
             mb = peak / 2**20
-            rows.append(csv_row(name, "mlp_stage", config.size, f"peak_{metric}_mb", Summary(mb, mb, mb), sha))
+            rows.append(csv_row(name, config.name, config.size, f"peak_{metric}_mb", Summary(mb, mb, mb), sha))
         held = memory[name].held_after_input_pass
         if held is not None:
             mb = held / 2**20
-            rows.append(csv_row(name, "mlp_stage", config.size, "held_after_dI_mb", Summary(mb, mb, mb), sha))
+            rows.append(csv_row(name, config.name, config.size, "held_after_dI_mb", Summary(mb, mb, mb), sha))
 
     def paired(numerator: str, denominator: str, metric: Callable[[Result], int]) -> Summary:
         pairs = zip(samples[numerator], samples[denominator], strict=True)
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_ext dW / pipelining dW": paired("torch_ext", "pipelining", lambda r: r.weight_pass_ns),
     }
     for label, summary in ratios.items():
-        rows.append(csv_row(label, "mlp_stage", config.size, "ratio", summary, sha))
+        rows.append(csv_row(label, config.name, config.size, "ratio", summary, sha))
 
     header = ("variant", "dI ms", "dW ms", "dI+dW ms", "peak dI MB", "peak dW MB", "peak MB", "held after dI MB")
 
@@ -318,11 +320,34 @@ def main(argv: list[str] | None = None) -> int:
     for line in lines:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
     print(
-        f"ms: median [p20-p80] of {reps} repetitions; peak: above the live bytes when backward started "
-        "(peak MB: of the whole backward); held after dI: live bytes after dI minus before it"
+        "ms: median [p20-p80]; peak: above the live bytes when backward started (peak MB: of the whole "
+        "backward); held after dI: live bytes after dI minus before it"
     )
     for label, summary in ratios.items():
         print(f"{label}: {summary.median:.3f} (paired p20-p80 {summary.p20:.3f}-{summary.p80:.3f})")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
+    parser.add_argument("--reps", type=int, help="timed repetitions of each variant")
+    parser.add_argument("--out", default="results/split_backward.csv", help="long-format CSV to write")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads (default 1)")
+    args = parser.parse_args(argv)
+    if args.reps is not None and args.reps < 2:
+        parser.error("--reps must be at least 2 (percentiles need two samples)")
+    torch.set_num_threads(args.threads)
+    warmup = 1 if args.quick else WARMUP_REPS
+    sha = git_sha()
+    print(f"torch {torch.__version__}, git {sha}, {torch.get_num_threads()} intra-op threads")
+    started = time.perf_counter()
+    rows = []
+    for config in CASES:
+        reps = args.reps if args.reps is not None else (config.quick_reps if args.quick else config.reps)
+        config = dataclasses.replace(config, reps=reps)
+        print(f"\n{config.name} {config.size}: {reps} repetitions of each variant", flush=True)
+        rows += run_case(config, warmup, sha)
 
     write_csv(args.out, rows)
     print(f"wrote {args.out} ({time.perf_counter() - started:.1f} s)")
