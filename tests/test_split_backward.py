@@ -109,22 +109,26 @@ def tied_embedding() -> Callable[[], Microbatch]:
 
 
 class MatmulHonouringMask(torch.autograd.Function):
-    """Computes only the gradients ``ctx.needs_input_grad`` asks for."""
+    """Computes only the gradients ``ctx.needs_input_grad`` asks for. The scale, not a tensor, has an
+    entry in needs_input_grad but no next edge."""
 
     calls = 0
 
     @staticmethod
-    def forward(ctx, x, w):
+    def forward(ctx, x, scale, w):
         ctx.save_for_backward(x, w)
-        return x @ w
+        ctx.scale = scale
+        return x @ w * scale
 
     @staticmethod
     def backward(ctx, grad):
         MatmulHonouringMask.calls += 1
+        assert ctx.needs_input_grad[1] is False
         x, w = ctx.saved_tensors
+        grad = grad * ctx.scale
         grad_x = grad @ w.t() if ctx.needs_input_grad[0] else None
-        grad_w = x.t() @ grad if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w
+        grad_w = x.t() @ grad if ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_w
 
 
 class MatmulIgnoringMask(torch.autograd.Function):
@@ -150,7 +154,7 @@ def custom_functions() -> Callable[[], Microbatch]:
 
     def microbatch() -> Microbatch:
         x = torch.randn(4, 10, requires_grad=True)
-        out = MatmulIgnoringMask.apply(torch.tanh(MatmulHonouringMask.apply(x, w1)), w2)
+        out = MatmulIgnoringMask.apply(torch.tanh(MatmulHonouringMask.apply(x, 0.5, w1)), w2)
         return _with_random_grads((out,), [x], [w1, w2])
 
     return microbatch
