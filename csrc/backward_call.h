@@ -29,6 +29,39 @@ struct CallOptions {
 // A buffer for the gradients arriving at `fn` (node_executor.cpp).
 InputBuffer make_input_buffer(Node& fn);
 
+// The two halves of running one node in stock's order (node_executor.cpp),
+// for split backward, which runs a node's pre-hooks once and its apply() in
+// each pass. The first: tensor pre-hooks, retains_grad hooks, node pre-hooks.
+variable_list call_hooks_before_apply(Node& fn, variable_list&& buffered);
+// The second: will_release_variables (unless keep_graph), apply,
+// validate_outputs, post hooks.
+variable_list apply_and_post_hooks(
+    Node& fn,
+    variable_list&& inputs,
+    bool keep_graph);
+
+class BackwardCall;
+
+// A pass of split backward (split_backward.h) takes over three steps of a
+// call: building the plan, seeding it and running each node (what runs, what
+// is kept for the other pass, what is released).
+class SplitPass {
+ public:
+  virtual ~SplitPass() = default;
+  // Fills the empty `plan`, in place of discover_graph.
+  virtual void build_plan(
+      GraphPlan& plan,
+      std::unordered_set<Node*>* nodes_in_graph) = 0;
+  // Makes the first nodes ready, in place of BackwardCall::seed_roots.
+  virtual void seed(BackwardCall& call) = 0;
+  // Runs the node in `slot` on its buffered gradients and returns its
+  // outputs, in place of hooks -> apply -> hooks -> release.
+  virtual variable_list run_node(
+      int32_t slot,
+      Node& fn,
+      variable_list&& buffered) = 0;
+};
+
 // The thread's "currently evaluating node" slot of stock's NodeGuard, or null
 // when it cannot be located safely (current_node.cpp). `expected_current` is
 // the node the host task made current, used to validate the slot.
@@ -44,6 +77,11 @@ class BackwardCall {
       std::vector<PriorityOverride> priority_overrides);
   BackwardCall(const BackwardCall&) = delete;
   BackwardCall& operator=(const BackwardCall&) = delete;
+
+  // Makes this call one pass of split backward; `pass` outlives the call.
+  void set_split_pass(SplitPass* pass) {
+    split_ = pass;
+  }
 
   // Discovers the graph and runs every node that must run, on the calling
   // thread. Must be called inside a stock graph task (the host task), from
@@ -70,6 +108,21 @@ class BackwardCall {
   // torch_ext node right now (stock engine, a compiled graph, a nested
   // backward); the caller must then wait itself.
   static bool defer_wait_to_first_use(const at::Tensor& result);
+
+  // Seeding, for SplitPass::seed: every root, as an ordinary call does;
+  // one gradient along one edge (deliver); a node made ready with its
+  // gradients.
+  void seed_all_roots() {
+    seed_roots();
+  }
+  void seed_gradient(
+      int32_t target,
+      uint32_t input_nr,
+      at::Tensor&& grad,
+      const std::optional<c10::Stream>& producer_stream) {
+    deliver(target, input_nr, std::move(grad), producer_stream);
+  }
+  void seed_ready(int32_t slot, InputBuffer&& inputs);
 
  private:
   // Registers the plan with the host graph task so the parts of PyTorch that
@@ -126,6 +179,12 @@ class BackwardCall {
   // Where each node is made the current node while it runs, as stock's
   // NodeGuard does; null if unavailable.
   c10::intrusive_ptr<Node>* current_node_slot_ = nullptr;
+  // Set for the passes of split backward only.
+  SplitPass* split_ = nullptr;
 };
+
+// Runs `call` inside one stock graph task (host_task.cpp). `filtered`: only a
+// subset of nodes runs (the host's exec_info must be non-empty).
+void run_in_host_task(BackwardCall& call, bool keep_graph, bool filtered);
 
 } // namespace torch_ext

@@ -240,7 +240,8 @@ void discover_graph(
     const edge_list& inputs,
     bool accumulate_grad,
     const CallPriorities& priorities,
-    std::unordered_set<Node*>* nodes_in_graph) {
+    std::unordered_set<Node*>* nodes_in_graph,
+    const edge_list* also_expand_to) {
   TORCH_INTERNAL_ASSERT(plan.slots.empty(), "discover_graph needs an empty plan");
   PlanBuilder builder(plan);
   const bool single_root = roots.size() == 1;
@@ -251,7 +252,12 @@ void discover_graph(
       plan.root_targets.push_back(builder.add_edge_to(root.function.get()));
     }
   }
-  const uint64_t min_topo_nr = min_topological_nr(inputs);
+  uint64_t min_topo_nr = min_topological_nr(inputs);
+  if (also_expand_to != nullptr && !also_expand_to->empty()) {
+    // min_topological_nr of no edges is 0 (prune nothing), not a minimum.
+    const uint64_t also = min_topological_nr(*also_expand_to);
+    min_topo_nr = inputs.empty() ? also : std::min(min_topo_nr, also);
+  }
   builder.expand_all(min_topo_nr);
   if (nodes_in_graph != nullptr) {
     // Every node with an incoming edge, as stock's compute_dependencies

@@ -110,12 +110,17 @@ struct GraphPlan {
 //
 // `nodes_in_graph`, when given, receives every node reached, as stock's
 // compute_dependencies fills GraphTask::nodes_in_graph_.
+//
+// `also_expand_to`, when given, lists edges besides `inputs` whose paths from
+// the roots must be in the plan (split backward's weights): nodes older than
+// every input are expanded all the same if they may lead to one of them.
 void discover_graph(
     GraphPlan& plan,
     const edge_list& roots,
     const edge_list& inputs,
     bool accumulate_grad,
     const CallPriorities& priorities,
-    std::unordered_set<Node*>* nodes_in_graph);
+    std::unordered_set<Node*>* nodes_in_graph,
+    const edge_list* also_expand_to = nullptr);
 
 } // namespace torch_ext

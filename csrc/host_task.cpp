@@ -192,6 +192,13 @@ void BackwardCall::seed_roots() {
   }
 }
 
+void BackwardCall::seed_ready(int32_t slot, InputBuffer&& inputs) {
+  NodeSlot& node = plan_.slots[slot];
+  node.inputs.emplace(std::move(inputs));
+  const int64_t priority = plan_.priority.empty() ? 0 : plan_.priority[slot];
+  ready_.push({priority, node.fn->sequence_nr(), slot});
+}
+
 void BackwardCall::run(Node* host_node) {
   current_node_slot_ = current_node_slot(host_node);
   auto* host_nodes_in_graph = const_cast<std::unordered_set<Node*>*>(
@@ -201,13 +208,17 @@ void BackwardCall::run(Node* host_node) {
       "torch_ext's engine ran outside its host graph task");
   // Filling the host's nodes_in_graph makes _will_engine_execute_node and
   // register_multi_grad_hook(mode="all") see the real graph.
-  discover_graph(
-      plan_,
-      roots_,
-      inputs_,
-      options_.accumulate_grad,
-      priorities_,
-      host_nodes_in_graph);
+  if (split_ != nullptr) {
+    split_->build_plan(plan_, host_nodes_in_graph);
+  } else {
+    discover_graph(
+        plan_,
+        roots_,
+        inputs_,
+        options_.accumulate_grad,
+        priorities_,
+        host_nodes_in_graph);
+  }
   publish_plan_to_host_task();
   // Gradients are accumulated (InputBuffer) and nodes run with grad mode
   // equal to create_graph, as under stock's per-task thread-local state.
@@ -217,7 +228,11 @@ void BackwardCall::run(Node* host_node) {
 
   int32_t running = kNoSlot;
   try {
-    seed_roots();
+    if (split_ != nullptr) {
+      split_->seed(*this);
+    } else {
+      seed_roots();
+    }
     while (!ready_.empty()) {
       running = ready_.pop();
       execute_node(running);
@@ -283,13 +298,18 @@ variable_list run_backward(
       inputs,
       options,
       std::move(priority_overrides));
+  run_in_host_task(call, options.keep_graph, /*filtered=*/!inputs.empty());
+  return call.take_captured();
+}
+
+void run_in_host_task(BackwardCall& call, bool keep_graph, bool filtered) {
   auto driver = c10::make_intrusive<BackwardDriver>(call);
   // Plain backward(): no host outputs, so the host's exec_info stays empty;
   // a non-empty exec_info makes can_checkpoint() false and reentrant
   // checkpoint raises. grad()/inputs=: the driver is the host's one output,
   // making its exec_info non-empty so nodes prune unneeded gradients.
   edge_list host_outputs;
-  if (!inputs.empty()) {
+  if (filtered) {
     host_outputs.emplace_back(driver, 0);
   }
   // create_graph is applied inside the driver (grad mode on while nodes
@@ -298,11 +318,10 @@ variable_list run_backward(
   torch::autograd::Engine::get_default_engine().execute(
       {Edge(driver, 0)},
       {driver_dummy_grad()},
-      options.keep_graph,
+      keep_graph,
       /*create_graph=*/false,
       /*accumulate_grad=*/true,
       host_outputs);
-  return call.take_captured();
 }
 
 } // namespace torch_ext

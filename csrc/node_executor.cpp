@@ -60,9 +60,16 @@ variable_list call_post_hooks(
   return outputs;
 }
 
-variable_list call_function(Node& fn, variable_list&& buffered, bool keep_graph) {
-  auto inputs = call_tensor_pre_hooks(fn, std::move(buffered));
-  inputs = call_pre_hooks(fn, std::move(inputs));
+} // namespace
+
+variable_list call_hooks_before_apply(Node& fn, variable_list&& buffered) {
+  return call_pre_hooks(fn, call_tensor_pre_hooks(fn, std::move(buffered)));
+}
+
+variable_list apply_and_post_hooks(
+    Node& fn,
+    variable_list&& inputs,
+    bool keep_graph) {
   if (!keep_graph) {
     fn.will_release_variables();
   }
@@ -84,6 +91,13 @@ variable_list call_function(Node& fn, variable_list&& buffered, bool keep_graph)
         return std::move(ss).str();
       });
   return call_post_hooks(fn, std::move(outputs), inputs, has_post_hooks);
+}
+
+namespace {
+
+variable_list call_function(Node& fn, variable_list&& buffered, bool keep_graph) {
+  return apply_and_post_hooks(
+      fn, call_hooks_before_apply(fn, std::move(buffered)), keep_graph);
 }
 
 void check_outputs_for_nan(Node& fn, const variable_list& outputs) {
@@ -364,12 +378,20 @@ void BackwardCall::execute_node(int32_t index) {
 
   variable_list outputs;
   {
+    // A collective's backward formula may hand its in-flight result to this
+    // call (defer_wait_to_first_use) while the node runs.
     const RunningNode running{this, &fn, current_node_slot_};
     RunningNodeScope running_scope(running);
-    outputs = call_function(fn, std::move(inputs.buffer), options_.keep_graph);
-  }
-  if (!options_.keep_graph) {
-    fn.release_variables();
+    if (split_ == nullptr) {
+      outputs =
+          call_function(fn, std::move(inputs.buffer), options_.keep_graph);
+      if (!options_.keep_graph) {
+        fn.release_variables();
+      }
+    } else {
+      // Split backward decides per node what runs and what is released.
+      outputs = split_->run_node(index, fn, std::move(inputs.buffer));
+    }
   }
 
   if (outputs.empty()) {

@@ -7,6 +7,7 @@
 
 #include "collective_nodes.h"
 #include "engine_api.h"
+#include "python_split.h"
 
 #include <ATen/LegacyBatchedTensorImpl.h>
 #include <ATen/LegacyVmapMode.h>
@@ -387,6 +388,16 @@ PyMethodDef methods[] = {
      METH_O,
      "is_collective_node(node) -> bool: whether the engine prioritises the "
      "node as a collective."},
+    {"backward_input",
+     py_backward_input,
+     METH_VARARGS,
+     "backward_input(outputs, grad_outputs, inputs, weights, keep_graph, "
+     "allow_unused) -> (input gradients, SplitState): split backward's dI pass."},
+    {"backward_weight",
+     py_backward_weight,
+     METH_VARARGS,
+     "backward_weight(state, keep_graph) -> weight gradients: split backward's "
+     "dW pass."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {
@@ -401,5 +412,10 @@ PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__C() {
   torch_ext::set_anomaly_metadata_copier(torch_ext::copy_anomaly_metadata);
-  return PyModule_Create(&torch_ext::module_def);
+  PyObject* module = PyModule_Create(&torch_ext::module_def);
+  if (module != nullptr && !torch_ext::init_split_bindings(module)) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }

@@ -14,12 +14,16 @@ from torch_ext.priority import (
     set_auto_collective_priority,
     set_priority,
 )
+from torch_ext.split import SplitState, backward_input, backward_weight
 
 __all__ = [
     "LAUNCH_FIRST",
     "Engine",
+    "SplitState",
     "auto_collective_priority",
     "backward",
+    "backward_input",
+    "backward_weight",
     "clear_priority",
     "disable",
     "enable",

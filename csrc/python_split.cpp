@@ -1,0 +1,284 @@
+// torch_ext._C.backward_input / backward_weight and the opaque SplitState
+// object that carries a graph from one to the other.
+//
+// SplitState is a plain CPython type holding a C++ shared_ptr: it refers to
+// no Python object, is not tracked by the cyclic GC and can be in no
+// reference cycle; dropping the last reference frees what the weight pass
+// would have needed.
+
+#include "python_split.h"
+
+#include "engine_api.h"
+#include "split_backward.h"
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <new>
+
+namespace torch_ext {
+namespace {
+
+struct PySplitState {
+  PyObject_HEAD
+  std::shared_ptr<SplitState> state;
+};
+
+PyTypeObject split_state_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+void split_state_dealloc(PyObject* self) {
+  reinterpret_cast<PySplitState*>(self)->state.~shared_ptr();
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* split_state_repr(PyObject* self) {
+  HANDLE_TH_ERRORS
+  const auto& state = reinterpret_cast<PySplitState*>(self)->state;
+  const std::string repr = "<torch_ext SplitState: " + describe(*state) + ">";
+  return PyUnicode_FromStringAndSize(
+      repr.data(), static_cast<Py_ssize_t>(repr.size()));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* wrap_state(std::shared_ptr<SplitState> state) {
+  PyObject* obj = split_state_type.tp_alloc(&split_state_type, 0);
+  if (obj == nullptr) {
+    return nullptr;
+  }
+  new (&reinterpret_cast<PySplitState*>(obj)->state)
+      std::shared_ptr<SplitState>(std::move(state));
+  return obj;
+}
+
+PyObject* wrap_tensors(const variable_list& tensors) {
+  THPObjectPtr result{PyTuple_New(static_cast<Py_ssize_t>(tensors.size()))};
+  if (!result) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    PyTuple_SET_ITEM(
+        result.get(), static_cast<Py_ssize_t>(i), THPVariable_Wrap(tensors[i]));
+  }
+  return result.release();
+}
+
+const at::Tensor& tensor_at(PyObject* tuple, Py_ssize_t i, const char* what) {
+  PyObject* item = PyTuple_GET_ITEM(tuple, i);
+  TORCH_CHECK_TYPE(
+      THPVariable_Check(item),
+      "backward_input: ",
+      what,
+      " must be tensors, but element ",
+      i,
+      " is ",
+      THPUtils_typename(item));
+  return THPVariable_Unpack(item);
+}
+
+void check_tuple(PyObject* obj, const char* what) {
+  TORCH_CHECK_TYPE(
+      PyTuple_Check(obj),
+      "backward_input: ",
+      what,
+      " must be a tuple, but got ",
+      THPUtils_typename(obj));
+}
+
+// NeedsInputGradHooks: the narrowed tuple replaces the Function's own while
+// its backward runs; the token is the original tuple (a strong reference).
+//
+// A custom Function's node is the one whose Python object is a THPFunction
+// (PyNode's type info is not exported, so no dynamic_cast). Most C++ nodes
+// have no Python object: those return before taking the GIL.
+THPFunction* custom_function_of(Node& fn) {
+  PyObject* obj = fn.pyobj_slot()->load_pyobj();
+  return obj != nullptr && THPFunction_Check(obj)
+      ? reinterpret_cast<THPFunction*>(obj)
+      : nullptr;
+}
+
+void* narrow_needs_input_grad(Node& fn) {
+  if (fn.pyobj_slot()->load_pyobj() == nullptr) {
+    return nullptr;
+  }
+  pybind11::gil_scoped_acquire gil;
+  THPFunction* function = custom_function_of(fn);
+  if (function == nullptr || function->needs_input_grad == nullptr ||
+      !PyTuple_Check(function->needs_input_grad)) {
+    return nullptr;
+  }
+  PyObject* original = function->needs_input_grad;
+  const Py_ssize_t num_args = PyTuple_GET_SIZE(original);
+  THPObjectPtr narrowed{PyTuple_New(num_args)};
+  if (!narrowed) {
+    throw python_error();
+  }
+  // One next edge per tensor argument, in order.
+  size_t edge = 0;
+  bool changed = false;
+  for (Py_ssize_t arg = 0; arg < num_args; ++arg) {
+    PyObject* needs = PyTuple_GET_ITEM(original, arg);
+    if (static_cast<size_t>(arg) < function->is_variable_input.size() &&
+        function->is_variable_input[arg]) {
+      if (needs == Py_True && edge < fn.num_outputs() &&
+          !fn.task_should_compute_output(edge)) {
+        needs = Py_False;
+        changed = true;
+      }
+      ++edge;
+    }
+    Py_INCREF(needs);
+    PyTuple_SET_ITEM(narrowed.get(), arg, needs);
+  }
+  if (!changed) {
+    return nullptr;
+  }
+  function->needs_input_grad = narrowed.release();
+  return original;
+}
+
+void restore_needs_input_grad(Node& fn, void* token) {
+  pybind11::gil_scoped_acquire gil;
+  THPFunction* function = custom_function_of(fn);
+  if (function == nullptr) {
+    // Unreachable (the node keeps its Function alive); runs in a destructor.
+    Py_DECREF(static_cast<PyObject*>(token));
+    return;
+  }
+  PyObject* narrowed = function->needs_input_grad;
+  function->needs_input_grad = static_cast<PyObject*>(token);
+  Py_XDECREF(narrowed);
+}
+
+} // namespace
+
+PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* outputs = nullptr;
+  PyObject* grad_outputs = nullptr;
+  PyObject* inputs = nullptr;
+  PyObject* weights = nullptr;
+  int keep_graph = 0;
+  int allow_unused = 0;
+  if (!PyArg_ParseTuple(
+          args,
+          "OOOOpp",
+          &outputs,
+          &grad_outputs,
+          &inputs,
+          &weights,
+          &keep_graph,
+          &allow_unused)) {
+    return nullptr;
+  }
+  check_tuple(outputs, "outputs");
+  check_tuple(grad_outputs, "grad_outputs");
+  check_tuple(inputs, "inputs");
+  check_tuple(weights, "weights");
+  const Py_ssize_t num_outputs = PyTuple_GET_SIZE(outputs);
+  TORCH_CHECK(
+      num_outputs == PyTuple_GET_SIZE(grad_outputs),
+      "got ",
+      num_outputs,
+      " outputs and ",
+      PyTuple_GET_SIZE(grad_outputs),
+      " gradients");
+  TORCH_CHECK(num_outputs > 0, "backward_input: outputs cannot be empty");
+
+  edge_list roots;
+  variable_list root_grads;
+  for (Py_ssize_t i = 0; i < num_outputs; ++i) {
+    roots.push_back(root_edge(tensor_at(outputs, i, "outputs"), i));
+    PyObject* grad = PyTuple_GET_ITEM(grad_outputs, i);
+    if (grad == Py_None) {
+      root_grads.emplace_back();
+    } else {
+      root_grads.push_back(tensor_at(grad_outputs, i, "grad_outputs"));
+    }
+  }
+  edge_list input_edges;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(inputs); ++i) {
+    input_edges.push_back(
+        input_edge(tensor_at(inputs, i, "inputs"), /*accumulate_grad=*/false));
+  }
+  variable_list weight_tensors;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(weights); ++i) {
+    weight_tensors.push_back(tensor_at(weights, i, "weights"));
+  }
+
+  InputPassResult result;
+  {
+    pybind11::gil_scoped_release no_gil;
+    result = backward_input(
+        roots,
+        std::move(root_grads),
+        input_edges,
+        weight_tensors,
+        keep_graph != 0,
+        allow_unused != 0);
+  }
+  THPObjectPtr input_grads{wrap_tensors(result.input_grads)};
+  if (!input_grads) {
+    return nullptr;
+  }
+  THPObjectPtr state{wrap_state(std::move(result.state))};
+  if (!state) {
+    return nullptr;
+  }
+  return PyTuple_Pack(2, input_grads.get(), state.get());
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_backward_weight(PyObject* /*module*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* state = nullptr;
+  int keep_graph = 0;
+  if (!PyArg_ParseTuple(args, "Op", &state, &keep_graph)) {
+    return nullptr;
+  }
+  TORCH_CHECK_TYPE(
+      Py_TYPE(state) == &split_state_type,
+      "backward_weight expects the state that torch_ext.backward_input "
+      "returned, but got ",
+      THPUtils_typename(state));
+  // Keeps the state alive while the GIL is released.
+  std::shared_ptr<SplitState> split_state =
+      reinterpret_cast<PySplitState*>(state)->state;
+  variable_list grads;
+  {
+    pybind11::gil_scoped_release no_gil;
+    grads = backward_weight(*split_state, keep_graph != 0);
+  }
+  return wrap_tensors(grads);
+  END_HANDLE_TH_ERRORS
+}
+
+bool init_split_bindings(PyObject* module) {
+  split_state_type.tp_name = "torch_ext._C.SplitState";
+  split_state_type.tp_basicsize = sizeof(PySplitState);
+  split_state_type.tp_dealloc = split_state_dealloc;
+  split_state_type.tp_repr = split_state_repr;
+  split_state_type.tp_flags = Py_TPFLAGS_DEFAULT;
+  split_state_type.tp_doc =
+      "What torch_ext.backward_input keeps for torch_ext.backward_weight: the "
+      "frontier of the weight subgraph and the gradients that reached it.";
+  if (PyType_Ready(&split_state_type) < 0) {
+    return false;
+  }
+  Py_INCREF(&split_state_type);
+  if (PyModule_AddObject(
+          module,
+          "SplitState",
+          reinterpret_cast<PyObject*>(&split_state_type)) < 0) {
+    Py_DECREF(&split_state_type);
+    return false;
+  }
+  set_needs_input_grad_hooks(
+      {narrow_needs_input_grad, restore_needs_input_grad});
+  return true;
+}
+
+} // namespace torch_ext

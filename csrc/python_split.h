@@ -1,0 +1,20 @@
+#pragma once
+
+// torch_ext._C's split-backward entry points (python_split.cpp), listed in
+// the module's method table in python_bindings.cpp.
+
+#include <Python.h>
+
+namespace torch_ext {
+
+// backward_input(outputs, grad_outputs, inputs, weights, keep_graph,
+// allow_unused) -> (input gradients, SplitState)
+PyObject* py_backward_input(PyObject* module, PyObject* args);
+// backward_weight(state, keep_graph) -> weight gradients
+PyObject* py_backward_weight(PyObject* module, PyObject* args);
+
+// Adds the SplitState type to `module` and lets split passes narrow custom
+// Functions' ctx.needs_input_grad. False, with a Python error set, on failure.
+bool init_split_bindings(PyObject* module);
+
+} // namespace torch_ext

@@ -1,0 +1,77 @@
+"""Split backward: input gradients now (dI), weight gradients later (dW), natively in the engine.
+
+Zero-bubble pipeline schedules run a stage's dI pass first, to unblock the previous stage, and
+its dW pass later, in what would otherwise be a bubble::
+
+    dinputs, state = torch_ext.backward_input(outputs, grad_outputs, inputs, weights)
+    send(dinputs)  # the previous stage can go on
+    ...
+    torch_ext.backward_weight(state)  # weights' .grad, through their AccumulateGrad
+
+The dI pass runs only the nodes on a path from ``outputs`` to ``inputs``, and those nodes compute no
+weight gradient. The gradients arriving at the frontier of the weight subgraph stay in ``state``,
+with the frontier nodes' saved tensors; every other saved tensor of the dI pass is freed when it
+returns. The dW pass resumes from there and accumulates each weight's gradient through its
+AccumulateGrad, so ``.grad``, post-accumulate-grad hooks and DDP/FSDP hooks see what a full backward
+gives them; the two passes together compute the same bits as one full backward. See DESIGN.md,
+"Split backward", and csrc/split_backward.h.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from torch_ext.engine import _C, _compiled_autograd_enabled, _make_root_grads, _roots_to_tuple
+
+SplitState = _C.SplitState
+
+
+def backward_input(
+    outputs: torch.Tensor | Sequence[torch.Tensor],
+    grad_outputs: torch.Tensor | Sequence[torch.Tensor | None] | None,
+    inputs: torch.Tensor | Iterable[torch.Tensor],
+    weights: Iterable[torch.Tensor],
+    *,
+    retain_graph: bool = False,
+    allow_unused: bool = False,
+) -> tuple[tuple[torch.Tensor | None, ...], SplitState]:
+    """The input-gradient pass: returns ``(gradient of each input, state)``.
+
+    Args:
+        outputs: the tensors to differentiate (a stage's outputs, or its loss).
+        grad_outputs: the gradient of each output; ``None`` for scalars (ones), as in ``torch.autograd.grad``.
+        inputs: tensors whose gradients are returned (not accumulated into ``.grad``), as by
+            ``torch.autograd.grad``; may be empty, and then everything waits for the weight pass.
+        weights: leaf tensors whose gradients the weight pass accumulates into ``.grad``.
+        retain_graph: keep every saved tensor (for another backward over the same graph). By default
+            only what the weight pass needs is kept.
+        allow_unused: allow inputs and weights that ``outputs`` do not depend on (their gradient is
+            ``None``); by default they raise.
+
+    Nodes on a path to ``inputs`` run; generated nodes skip weight gradients, and custom
+    ``autograd.Function``\\ s see ``ctx.needs_input_grad`` narrowed to what this pass computes. A
+    Function that computes weight gradients anyway has them kept and is not run again by the weight
+    pass. Pass ``state`` to :func:`backward_weight` once.
+    """
+    if _compiled_autograd_enabled():
+        raise RuntimeError("torch_ext.backward_input does not run under compiled autograd")
+    outputs_tuple = _roots_to_tuple(outputs)
+    grads = _make_root_grads(outputs_tuple, grad_outputs, is_grads_batched=False)
+    inputs_tuple = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    weights_tuple = (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
+    dinputs, state = _C.backward_input(outputs_tuple, grads, inputs_tuple, weights_tuple, retain_graph, allow_unused)
+    return dinputs, state
+
+
+def backward_weight(state: SplitState, *, retain_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
+    """The weight-gradient pass of ``state`` (from :func:`backward_input`).
+
+    Accumulates each weight's gradient into its ``.grad`` through its AccumulateGrad node, so hooks
+    registered with ``register_post_accumulate_grad_hook`` and DDP's and FSDP's gradient hooks fire as
+    in a full backward. Returns each weight's ``.grad`` afterwards (this pass's gradient, when
+    ``.grad`` was ``None`` before). Raises if ``state`` was already used. With ``retain_graph``, the
+    weight subgraph's saved tensors are kept.
+    """
+    return _C.backward_weight(state, retain_graph)
