@@ -1,0 +1,329 @@
+"""Multi-tensor Triton kernels: one launch for a whole list of tensors.
+
+Gradient plumbing touches hundreds of small tensors per step, where a launch per tensor, not bandwidth,
+sets the cost. These kernels follow the multi-tensor-apply pattern: the host writes a table of tensor
+addresses and sizes, plus one (tensor, start) entry per block of BLOCK elements, and copies it to the
+device in one transfer; each program reads its entry and works on that block of that tensor. Tensors
+of different dtypes go to separate launches, since the element type is compiled into a kernel.
+
+Semantics are those of multi_tensor_ref.py: fp32 arithmetic, one rounding to the destination dtype.
+The launchers take contiguous tensors only (a block is a run of consecutive elements) and raise
+ValueError naming the argument otherwise; torch_ext/kernels.py routes other tensors to the reference.
+
+``plan_*`` return the launches as data so that torch_ext/kernels.py can launch them through
+``torch.library.wrap_triton``; ``accumulate_``, ``sum_n``, ``pack`` and ``unpack_`` plan and launch
+directly (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels.multi_tensor_ref import SUPPORTED_DTYPES
+
+# Elements per program. Not measured on a GPU (none on the machine these kernels were written on):
+# large enough that a program's fixed cost (reading its table entry) is small against 4096 elements
+# at 4 warps, i.e. 32 per thread, small enough that a 1k-element bias does not waste most of a
+# program. benchmarks/kernels.py takes --block-size to measure it on a GPU.
+BLOCK_SIZE = 4096
+
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to DTYPE, to nearest even.
+
+    bf16 is rounded by hand: Triton's interpreter truncates fp32 -> bf16 (4945 of 10000 randn values
+    differed from torch with triton 3.9) while GPUs round to nearest even, so the integer rounding
+    gives torch's bits on both, and the interpreter tests check the rounding a GPU runs. It costs a
+    few integer operations per element in a memory-bound kernel.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        # A NaN's payload can carry into the sign; torch writes the canonical quiet NaN.
+        rounded = tl.where(x != x, 0x7FC0, rounded)  # noqa: PLR0124 - true for NaN only
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _multi_tensor_scale_kernel(
+    table_ptr,
+    n_tensors,
+    n_blocks,
+    scale,
+    DST_DTYPE: tl.constexpr,
+    SRC_DTYPE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``dst_i = scale * src_i`` (or ``dst_i += scale * src_i`` with ACCUMULATE) for every tensor pair i.
+
+    table (int64): dst addresses [n_tensors], src addresses [n_tensors], numels [n_tensors], then per
+    block its tensor index [n_blocks] and its first element [n_blocks].
+    """
+    block = tl.program_id(0)
+    tensor = tl.load(table_ptr + 3 * n_tensors + block)
+    start = tl.load(table_ptr + 3 * n_tensors + n_blocks + block)
+    numel = tl.load(table_ptr + 2 * n_tensors + tensor)
+    dst = tl.load(table_ptr + tensor).to(tl.pointer_type(DST_DTYPE), bitcast=True)
+    src = tl.load(table_ptr + n_tensors + tensor).to(tl.pointer_type(SRC_DTYPE), bitcast=True)
+    offsets = start + tl.arange(0, BLOCK)
+    in_tensor = offsets < numel
+    result = scale * tl.load(src + offsets, mask=in_tensor).to(tl.float32)
+    if ACCUMULATE:
+        result = tl.load(dst + offsets, mask=in_tensor).to(tl.float32) + result
+    tl.store(dst + offsets, _round_to(result, DST_DTYPE), mask=in_tensor)
+
+
+@triton.jit
+def _sum_n_kernel(table_ptr, out_ptr, n_inputs, numel, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = inputs[0] + inputs[1] + ...`` in that order, in fp32; table (int64): the input addresses."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # past 2**31 elements too
+    in_tensor = offsets < numel
+    first = tl.load(table_ptr).to(tl.pointer_type(DTYPE), bitcast=True)
+    total = tl.load(first + offsets, mask=in_tensor).to(tl.float32)
+    for i in range(1, n_inputs):
+        addend = tl.load(table_ptr + i).to(tl.pointer_type(DTYPE), bitcast=True)
+        total += tl.load(addend + offsets, mask=in_tensor).to(tl.float32)
+    tl.store(out_ptr + offsets, _round_to(total, DTYPE), mask=in_tensor)
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch: ``kernel[grid](**kwargs)``.
+
+    ``addressed`` holds the tensors the kernel reaches through its address table: while the launch is
+    alive their memory cannot be freed and reused (say, a ``.contiguous()`` copy made only for it).
+    """
+
+    kernel: Any
+    grid: tuple[int]
+    kwargs: dict[str, Any]
+    addressed: tuple[torch.Tensor, ...]
+
+    def run(self) -> None:
+        self.kernel[self.grid](**self.kwargs)
+
+
+def plan_accumulate_(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alpha: float = 1.0, block_size: int = BLOCK_SIZE
+) -> list[KernelLaunch]:
+    """Launches for ``dsts[i] += alpha * srcs[i]``: one per (dst dtype, src dtype) pair present."""
+    _check_contiguous("dsts", dsts)
+    _check_contiguous("srcs", srcs)
+    return _plan_scale(
+        dsts,
+        srcs,
+        [d.data_ptr() for d in dsts],
+        [s.data_ptr() for s in srcs],
+        [d.numel() for d in dsts],
+        alpha,
+        accumulate=True,
+        block_size=block_size,
+    )
+
+
+def plan_pack(
+    tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float = 1.0, block_size: int = BLOCK_SIZE
+) -> list[KernelLaunch]:
+    """Launches writing ``scale * tensors[i]``, flattened and one after another, into the 1-D ``flat``."""
+    _check_contiguous("tensors", tensors)
+    _check_contiguous("flat", [flat])
+    numels = [t.numel() for t in tensors]
+    return _plan_scale(
+        [flat] * len(tensors),
+        tensors,
+        _addresses_in(flat, numels),
+        [t.data_ptr() for t in tensors],
+        numels,
+        scale,
+        accumulate=False,
+        block_size=block_size,
+    )
+
+
+def plan_unpack_(
+    flat: torch.Tensor, outs: Sequence[torch.Tensor], scale: float = 1.0, block_size: int = BLOCK_SIZE
+) -> list[KernelLaunch]:
+    """Launches writing ``scale * flat[offset_i : offset_i + outs[i].numel()]`` into each ``outs[i]``."""
+    _check_contiguous("flat", [flat])
+    _check_contiguous("outs", outs)
+    numels = [o.numel() for o in outs]
+    return _plan_scale(
+        outs,
+        [flat] * len(outs),
+        [o.data_ptr() for o in outs],
+        _addresses_in(flat, numels),
+        numels,
+        scale,
+        accumulate=False,
+        block_size=block_size,
+    )
+
+
+def plan_sum_n(tensors: Sequence[torch.Tensor], out: torch.Tensor, block_size: int = BLOCK_SIZE) -> list[KernelLaunch]:
+    """The launch writing ``tensors[0] + tensors[1] + ...`` into ``out`` (all of one shape and dtype)."""
+    _check_contiguous("tensors", tensors)
+    _check_contiguous("out", [out])
+    _check_dtype("out", out.dtype)
+    if out.numel() == 0:
+        return []
+    table = _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), out.device)
+    return [
+        KernelLaunch(
+            _sum_n_kernel,
+            (triton.cdiv(out.numel(), block_size),),
+            {
+                "table_ptr": table,
+                "out_ptr": out,
+                "n_inputs": len(tensors),
+                "numel": out.numel(),
+                "DTYPE": _TRITON_DTYPES[out.dtype],
+                "BLOCK": block_size,
+            },
+            addressed=tuple(tensors),
+        )
+    ]
+
+
+def accumulate_(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alpha: float = 1.0, block_size: int = BLOCK_SIZE
+) -> None:
+    """``dsts[i] += alpha * srcs[i]`` for contiguous same-shape pairs, one launch per dtype pair."""
+    _run(plan_accumulate_(dsts, srcs, alpha, block_size))
+
+
+def sum_n(tensors: Sequence[torch.Tensor], block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """A new contiguous tensor ``tensors[0] + tensors[1] + ...``, accumulated in fp32, in one launch."""
+    out = torch.empty(tensors[0].shape, dtype=tensors[0].dtype, device=tensors[0].device)
+    _run(plan_sum_n(tensors, out, block_size))
+    return out
+
+
+def pack(
+    tensors: Sequence[torch.Tensor], scale: float = 1.0, dtype: torch.dtype | None = None, block_size: int = BLOCK_SIZE
+) -> torch.Tensor:
+    """A new 1-D tensor of ``dtype`` (default: the first tensor's) holding ``scale * tensors[i]`` flattened,
+    one after another. Needs at least one tensor (the device comes from it)."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype or tensors[0].dtype, device=tensors[0].device)
+    _run(plan_pack(tensors, flat, scale, block_size))
+    return flat
+
+
+def unpack_(flat: torch.Tensor, outs: Sequence[torch.Tensor], scale: float = 1.0, block_size: int = BLOCK_SIZE) -> None:
+    """Writes ``scale * flat[offset_i : offset_i + outs[i].numel()]`` into each ``outs[i]``, in place."""
+    _run(plan_unpack_(flat, outs, scale, block_size))
+
+
+def _run(launches: list[KernelLaunch]) -> None:
+    for launch in launches:
+        launch.run()
+
+
+def _plan_scale(
+    dsts: Sequence[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    dst_addresses: list[int],
+    src_addresses: list[int],
+    numels: list[int],
+    scale: float,
+    accumulate: bool,
+    block_size: int,
+) -> list[KernelLaunch]:
+    """One launch of the scale kernel per (dst dtype, src dtype), in order of first appearance, for the
+    tensor pairs with elements. dsts[i] and srcs[i] give dtypes and keep memory alive; the addresses may
+    point inside them (pack, unpack). Per-tensor work stays in list comprehensions: at hundreds of
+    tensors the host time of planning is what this launch saves."""
+    dst_dtypes, src_dtypes = {d.dtype for d in dsts}, {s.dtype for s in srcs}
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    if len(dst_dtypes) == 1 and len(src_dtypes) == 1:  # the common case, without a per-tensor loop
+        with_elements = [i for i, numel in enumerate(numels) if numel > 0]
+        if with_elements:
+            groups[(*dst_dtypes, *src_dtypes)] = with_elements
+    else:
+        for i, (dst, src, numel) in enumerate(zip(dsts, srcs, numels)):
+            if numel > 0:
+                groups.setdefault((dst.dtype, src.dtype), []).append(i)
+    launches = []
+    for (dst_dtype, src_dtype), indices in groups.items():
+        _check_dtype("destination", dst_dtype)
+        _check_dtype("source", src_dtype)
+        group_numels = torch.tensor([numels[i] for i in indices], dtype=torch.int64)
+        addresses = torch.tensor(
+            [dst_addresses[i] for i in indices] + [src_addresses[i] for i in indices], dtype=torch.int64
+        )
+        blocks_per_tensor = (group_numels + block_size - 1) // block_size
+        end_blocks = torch.cumsum(blocks_per_tensor, 0)
+        first_blocks = end_blocks - blocks_per_tensor
+        n_blocks = int(end_blocks[-1])
+        # Block -> tensor by counting tensor starts: repeat_interleave and searchsorted took ~8 ms for 500
+        # tensors on this 2-core machine (their parallel loops wake the thread pool; 37 us on one thread),
+        # this ~50 us.
+        block_tensor = torch.zeros(n_blocks, dtype=torch.int64)
+        block_tensor[first_blocks[1:]] = 1
+        block_tensor = torch.cumsum(block_tensor, 0)
+        block_start = (torch.arange(n_blocks) - first_blocks[block_tensor]) * block_size
+        table = torch.cat([addresses, group_numels, block_tensor, block_start])
+        launches.append(
+            KernelLaunch(
+                _multi_tensor_scale_kernel,
+                (n_blocks,),
+                {
+                    "table_ptr": _to_device(table, dsts[indices[0]].device),
+                    "n_tensors": len(indices),
+                    "n_blocks": n_blocks,
+                    "scale": scale,
+                    "DST_DTYPE": _TRITON_DTYPES[dst_dtype],
+                    "SRC_DTYPE": _TRITON_DTYPES[src_dtype],
+                    "ACCUMULATE": accumulate,
+                    "BLOCK": block_size,
+                },
+                addressed=tuple(dsts[i] for i in indices) + tuple(srcs[i] for i in indices),
+            )
+        )
+    return launches
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":  # the interpreter reads host memory
+        return table
+    # Pinned, so the copy is asynchronous; the caching host allocator keeps the pinned block until the
+    # copy has run, and the device copy is freed on the launch stream, so both outlive the kernel.
+    return table.pin_memory().to(device, non_blocking=True)
+
+
+def _addresses_in(flat: torch.Tensor, numels: list[int]) -> list[int]:
+    """Addresses of consecutive pieces of ``flat`` with the given sizes."""
+    element_size, address = flat.element_size(), flat.data_ptr()
+    addresses = []
+    for numel in numels:
+        addresses.append(address)
+        address += numel * element_size
+    return addresses
+
+
+def _check_contiguous(name: str, tensors: Sequence[torch.Tensor]) -> None:
+    if all(t.is_contiguous() for t in tensors):
+        return
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            where = name if name in ("flat", "out") else f"{name}[{i}]"
+            raise ValueError(
+                f"{where} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); these kernels read "
+                "each tensor as consecutive elements (torch_ext.kernels routes other tensors to torch)"
+            )
+
+
+def _check_dtype(name: str, dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} dtype {dtype} is not supported; supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
