@@ -30,7 +30,8 @@ from triton_kernels.multi_tensor_ref import SUPPORTED_DTYPES
 # Elements per program. Not measured on a GPU (none on the machine these kernels were written on):
 # large enough that a program's fixed cost (reading its table entry) is small against 4096 elements
 # at 4 warps, i.e. 32 per thread, small enough that a 1k-element bias does not waste most of a
-# program. benchmarks/kernels.py takes --block-size to measure it on a GPU.
+# program. Read at every launch, so that benchmarks/kernels.py --block-size can measure others on a GPU;
+# a launcher's block_size argument overrides it.
 BLOCK_SIZE = 4096
 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -116,7 +117,7 @@ class KernelLaunch:
 
 
 def plan_accumulate_(
-    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alpha: float = 1.0, block_size: int = BLOCK_SIZE
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alpha: float = 1.0, block_size: int | None = None
 ) -> list[KernelLaunch]:
     """Launches for ``dsts[i] += alpha * srcs[i]``: one per (dst dtype, src dtype) pair present."""
     _check_contiguous("dsts", dsts)
@@ -134,7 +135,7 @@ def plan_accumulate_(
 
 
 def plan_pack(
-    tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float = 1.0, block_size: int = BLOCK_SIZE
+    tensors: Sequence[torch.Tensor], flat: torch.Tensor, scale: float = 1.0, block_size: int | None = None
 ) -> list[KernelLaunch]:
     """Launches writing ``scale * tensors[i]``, flattened and one after another, into the 1-D ``flat``."""
     _check_contiguous("tensors", tensors)
@@ -153,7 +154,7 @@ def plan_pack(
 
 
 def plan_unpack_(
-    flat: torch.Tensor, outs: Sequence[torch.Tensor], scale: float = 1.0, block_size: int = BLOCK_SIZE
+    flat: torch.Tensor, outs: Sequence[torch.Tensor], scale: float = 1.0, block_size: int | None = None
 ) -> list[KernelLaunch]:
     """Launches writing ``scale * flat[offset_i : offset_i + outs[i].numel()]`` into each ``outs[i]``."""
     _check_contiguous("flat", [flat])
@@ -171,13 +172,14 @@ def plan_unpack_(
     )
 
 
-def plan_sum_n(tensors: Sequence[torch.Tensor], out: torch.Tensor, block_size: int = BLOCK_SIZE) -> list[KernelLaunch]:
+def plan_sum_n(tensors: Sequence[torch.Tensor], out: torch.Tensor, block_size: int | None = None) -> list[KernelLaunch]:
     """The launch writing ``tensors[0] + tensors[1] + ...`` into ``out`` (all of one shape and dtype)."""
     _check_contiguous("tensors", tensors)
     _check_contiguous("out", [out])
     _check_dtype("out", out.dtype)
     if out.numel() == 0:
         return []
+    block_size = block_size or BLOCK_SIZE
     table = _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), out.device)
     return [
         KernelLaunch(
@@ -197,13 +199,13 @@ def plan_sum_n(tensors: Sequence[torch.Tensor], out: torch.Tensor, block_size: i
 
 
 def accumulate_(
-    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alpha: float = 1.0, block_size: int = BLOCK_SIZE
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alpha: float = 1.0, block_size: int | None = None
 ) -> None:
     """``dsts[i] += alpha * srcs[i]`` for contiguous same-shape pairs, one launch per dtype pair."""
     _run(plan_accumulate_(dsts, srcs, alpha, block_size))
 
 
-def sum_n(tensors: Sequence[torch.Tensor], block_size: int = BLOCK_SIZE) -> torch.Tensor:
+def sum_n(tensors: Sequence[torch.Tensor], block_size: int | None = None) -> torch.Tensor:
     """A new contiguous tensor ``tensors[0] + tensors[1] + ...``, accumulated in fp32, in one launch."""
     out = torch.empty(tensors[0].shape, dtype=tensors[0].dtype, device=tensors[0].device)
     _run(plan_sum_n(tensors, out, block_size))
@@ -211,7 +213,7 @@ def sum_n(tensors: Sequence[torch.Tensor], block_size: int = BLOCK_SIZE) -> torc
 
 
 def pack(
-    tensors: Sequence[torch.Tensor], scale: float = 1.0, dtype: torch.dtype | None = None, block_size: int = BLOCK_SIZE
+    tensors: Sequence[torch.Tensor], scale: float = 1.0, dtype: torch.dtype | None = None, block_size: int | None = None
 ) -> torch.Tensor:
     """A new 1-D tensor of ``dtype`` (default: the first tensor's) holding ``scale * tensors[i]`` flattened,
     one after another. Needs at least one tensor (the device comes from it)."""
@@ -220,7 +222,9 @@ def pack(
     return flat
 
 
-def unpack_(flat: torch.Tensor, outs: Sequence[torch.Tensor], scale: float = 1.0, block_size: int = BLOCK_SIZE) -> None:
+def unpack_(
+    flat: torch.Tensor, outs: Sequence[torch.Tensor], scale: float = 1.0, block_size: int | None = None
+) -> None:
     """Writes ``scale * flat[offset_i : offset_i + outs[i].numel()]`` into each ``outs[i]``, in place."""
     _run(plan_unpack_(flat, outs, scale, block_size))
 
@@ -238,7 +242,7 @@ def _plan_scale(
     numels: list[int],
     scale: float,
     accumulate: bool,
-    block_size: int,
+    block_size: int | None,
 ) -> list[KernelLaunch]:
     """One launch of the scale kernel per (dst dtype, src dtype), in order of first appearance, for the
     tensor pairs with elements. dsts[i] and srcs[i] give dtypes and keep memory alive; the addresses may
@@ -254,6 +258,7 @@ def _plan_scale(
         for i, (dst, src, numel) in enumerate(zip(dsts, srcs, numels)):
             if numel > 0:
                 groups.setdefault((dst.dtype, src.dtype), []).append(i)
+    block_size = block_size or BLOCK_SIZE
     launches = []
     for (dst_dtype, src_dtype), indices in groups.items():
         _check_dtype("destination", dst_dtype)
