@@ -161,6 +161,15 @@ def test_unpack_fills_views_in_order(flat_dtype, out_dtype):
     assert torch.equal(buffer[:, 3:].t(), scaled[15:].view(5, 5))
 
 
+def test_written_tensors_record_the_write():
+    # Autograd's version counters: a saved tensor written in place afterwards must be detected.
+    dsts, srcs, outs = [torch.zeros(3)], [torch.ones(3)], [torch.zeros(3)]
+    versions = [t._version for t in dsts + srcs + outs]
+    kernels.multi_tensor_accumulate_(dsts, srcs)
+    kernels.unpack_(torch.ones(3), outs)
+    assert dsts[0]._version > versions[0] and srcs[0]._version == versions[1] and outs[0]._version > versions[2]
+
+
 def test_pack_unpack_round_trip():
     tensors = randn_list(FP32)
     outs = [torch.empty_like(t) for t in tensors]

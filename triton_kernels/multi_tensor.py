@@ -154,17 +154,26 @@ def plan_pack(
 
 
 def plan_unpack_(
-    flat: torch.Tensor, outs: Sequence[torch.Tensor], scale: float = 1.0, block_size: int | None = None
+    flat: torch.Tensor,
+    outs: Sequence[torch.Tensor],
+    scale: float = 1.0,
+    block_size: int | None = None,
+    offsets: Sequence[int] | None = None,
 ) -> list[KernelLaunch]:
-    """Launches writing ``scale * flat[offset_i : offset_i + outs[i].numel()]`` into each ``outs[i]``."""
+    """Launches writing ``scale * flat[offset_i : offset_i + outs[i].numel()]`` into each ``outs[i]``, where
+    offset_i is ``offsets[i]`` or, by default, the total size of the outs before it."""
     _check_contiguous("flat", [flat])
     _check_contiguous("outs", outs)
     numels = [o.numel() for o in outs]
+    if offsets is None:
+        src_addresses = _addresses_in(flat, numels)
+    else:
+        src_addresses = [flat.data_ptr() + offset * flat.element_size() for offset in offsets]
     return _plan_scale(
         outs,
         [flat] * len(outs),
         [o.data_ptr() for o in outs],
-        _addresses_in(flat, numels),
+        src_addresses,
         numels,
         scale,
         accumulate=False,

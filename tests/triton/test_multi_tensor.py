@@ -161,14 +161,19 @@ def device_path(monkeypatch, multi_tensor):
     torch_ext.kernels.use_triton(previous)
 
 
-def test_device_path_accumulates_many_tensors_in_one_launch(device_path):
+def test_device_path_handles_many_tensors_in_one_launch(device_path):
     shapes = [(i % 5 + 1, 7) for i in range(100)]
     dsts, srcs = randn_list(FP32, shapes), randn_list(BF16, shapes)
     expected = [d.clone() for d in dsts]
     ref.accumulate_ref_(expected, srcs, 1.0)
     torch_ext.kernels._multi_tensor_accumulate_on_device(dsts, srcs)
     assert_same_bits(dsts, expected)
-    assert device_path == [1]
+
+    flat = torch.randn(sum(d.numel() for d in dsts)).to(BF16)
+    ref.unpack_ref_(flat, expected, 4.0)
+    torch_ext.kernels._unpack_on_device(flat, dsts, 4.0)
+    assert_same_bits(dsts, expected)
+    assert device_path == [1, 1]
 
 
 def test_device_path_routes_non_contiguous_tensors(device_path):
