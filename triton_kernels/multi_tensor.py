@@ -4,9 +4,12 @@ Gradient plumbing touches hundreds of small tensors per step, where a launch per
 sets the cost. These kernels follow the multi-tensor-apply pattern: the host writes a table of tensor
 addresses and sizes, plus one (tensor, start) entry per block of BLOCK elements, and copies it to the
 device in one transfer; each program reads its entry and works on that block of that tensor. Tensors
-of different dtypes go to separate launches, since the element type is compiled into a kernel.
+of different dtypes go to separate launches, since the element type is compiled into a kernel, and so
+do tensors at addresses that do not allow 128-bit accesses (VECTOR_BYTES).
 
 Semantics are those of multi_tensor_ref.py: fp32 arithmetic, one rounding to the destination dtype.
+Launches turn off fp fusion (multiply-add contraction): the product is rounded before the sum, as in the
+reference and the interpreter, so GPU results match them bit for bit (a memory-bound kernel loses nothing).
 The launchers take contiguous tensors only (a block is a run of consecutive elements) and raise
 ValueError naming the argument otherwise; torch_ext/kernels.py routes other tensors to the reference.
 
@@ -34,6 +37,12 @@ from triton_kernels.multi_tensor_ref import SUPPORTED_DTYPES
 # a launcher's block_size argument overrides it.
 BLOCK_SIZE = 4096
 
+# Full blocks of tensors whose addresses are multiples of this many bytes are read and written with
+# 128-bit accesses: in PTX for sm_80 the kernels use ld.global.v4.b32 there and scalar ld.global.b16 /
+# .b32 otherwise (Triton cannot know the alignment of an address loaded from a table, nor, with a mask
+# over an arbitrary size, that whole vectors are in bounds). Not timed: no GPU here.
+VECTOR_BYTES: tl.constexpr = tl.constexpr(16)
+
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -57,6 +66,14 @@ def _round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _scale_block(dst, src, offsets, in_tensor, scale, DST_DTYPE: tl.constexpr, ACCUMULATE: tl.constexpr):
+    result = scale * tl.load(src + offsets, mask=in_tensor).to(tl.float32)
+    if ACCUMULATE:
+        result = tl.load(dst + offsets, mask=in_tensor).to(tl.float32) + result
+    tl.store(dst + offsets, _round_to(result, DST_DTYPE), mask=in_tensor)
+
+
+@triton.jit
 def _multi_tensor_scale_kernel(
     table_ptr,
     n_tensors,
@@ -65,12 +82,14 @@ def _multi_tensor_scale_kernel(
     DST_DTYPE: tl.constexpr,
     SRC_DTYPE: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """``dst_i = scale * src_i`` (or ``dst_i += scale * src_i`` with ACCUMULATE) for every tensor pair i.
 
     table (int64): dst addresses [n_tensors], src addresses [n_tensors], numels [n_tensors], then per
-    block its tensor index [n_blocks] and its first element [n_blocks].
+    block its tensor index [n_blocks] and its first element [n_blocks]. ALIGNED: every address is a
+    multiple of VECTOR_BYTES.
     """
     block = tl.program_id(0)
     tensor = tl.load(table_ptr + 3 * n_tensors + block)
@@ -78,25 +97,41 @@ def _multi_tensor_scale_kernel(
     numel = tl.load(table_ptr + 2 * n_tensors + tensor)
     dst = tl.load(table_ptr + tensor).to(tl.pointer_type(DST_DTYPE), bitcast=True)
     src = tl.load(table_ptr + n_tensors + tensor).to(tl.pointer_type(SRC_DTYPE), bitcast=True)
+    if ALIGNED:
+        dst = tl.multiple_of(dst, VECTOR_BYTES)
+        src = tl.multiple_of(src, VECTOR_BYTES)
+        start = tl.multiple_of(start, BLOCK)
     offsets = start + tl.arange(0, BLOCK)
-    in_tensor = offsets < numel
-    result = scale * tl.load(src + offsets, mask=in_tensor).to(tl.float32)
-    if ACCUMULATE:
-        result = tl.load(dst + offsets, mask=in_tensor).to(tl.float32) + result
-    tl.store(dst + offsets, _round_to(result, DST_DTYPE), mask=in_tensor)
+    if start + BLOCK <= numel:
+        _scale_block(dst, src, offsets, None, scale, DST_DTYPE, ACCUMULATE)
+    else:
+        _scale_block(dst, src, offsets, offsets < numel, scale, DST_DTYPE, ACCUMULATE)
 
 
 @triton.jit
-def _sum_n_kernel(table_ptr, out_ptr, n_inputs, numel, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    """``out = inputs[0] + inputs[1] + ...`` in that order, in fp32; table (int64): the input addresses."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # past 2**31 elements too
-    in_tensor = offsets < numel
+def _sum_n_block(table_ptr, out_ptr, n_inputs, offsets, in_tensor, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
     first = tl.load(table_ptr).to(tl.pointer_type(DTYPE), bitcast=True)
-    total = tl.load(first + offsets, mask=in_tensor).to(tl.float32)
+    if ALIGNED:
+        first = tl.multiple_of(first, VECTOR_BYTES)
+    total = tl.load(first + offsets, mask=in_tensor).to(tl.float32)  # not 0 + first: that turns -0.0 into 0.0
     for i in range(1, n_inputs):
         addend = tl.load(table_ptr + i).to(tl.pointer_type(DTYPE), bitcast=True)
+        if ALIGNED:
+            addend = tl.multiple_of(addend, VECTOR_BYTES)
         total += tl.load(addend + offsets, mask=in_tensor).to(tl.float32)
     tl.store(out_ptr + offsets, _round_to(total, DTYPE), mask=in_tensor)
+
+
+@triton.jit
+def _sum_n_kernel(table_ptr, out_ptr, n_inputs, numel, DTYPE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = inputs[0] + inputs[1] + ...`` in that order, in fp32; table (int64): the input addresses.
+    ALIGNED: every input address is a multiple of VECTOR_BYTES."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK  # past 2**31 elements too
+    offsets = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= numel:
+        _sum_n_block(table_ptr, out_ptr, n_inputs, offsets, None, DTYPE, ALIGNED)
+    else:
+        _sum_n_block(table_ptr, out_ptr, n_inputs, offsets, offsets < numel, DTYPE, ALIGNED)
 
 
 @dataclass(frozen=True)
@@ -189,7 +224,8 @@ def plan_sum_n(tensors: Sequence[torch.Tensor], out: torch.Tensor, block_size: i
     if out.numel() == 0:
         return []
     block_size = block_size or BLOCK_SIZE
-    table = _to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), out.device)
+    addresses = [t.data_ptr() for t in tensors]
+    table = _to_device(torch.tensor(addresses, dtype=torch.int64), out.device)
     return [
         KernelLaunch(
             _sum_n_kernel,
@@ -200,7 +236,9 @@ def plan_sum_n(tensors: Sequence[torch.Tensor], out: torch.Tensor, block_size: i
                 "n_inputs": len(tensors),
                 "numel": out.numel(),
                 "DTYPE": _TRITON_DTYPES[out.dtype],
+                "ALIGNED": all(address % VECTOR_BYTES.value == 0 for address in [out.data_ptr(), *addresses]),
                 "BLOCK": block_size,
+                "enable_fp_fusion": False,
             },
             addressed=tuple(tensors),
         )
@@ -253,23 +291,25 @@ def _plan_scale(
     accumulate: bool,
     block_size: int | None,
 ) -> list[KernelLaunch]:
-    """One launch of the scale kernel per (dst dtype, src dtype), in order of first appearance, for the
-    tensor pairs with elements. dsts[i] and srcs[i] give dtypes and keep memory alive; the addresses may
+    """One launch of the scale kernel per (dst dtype, src dtype, all addresses aligned to VECTOR_BYTES), in
+    order of first appearance, for the tensor pairs with elements. dsts[i] and srcs[i] give dtypes and keep memory alive; the addresses may
     point inside them (pack, unpack). Per-tensor work stays in list comprehensions: at hundreds of
     tensors the host time of planning is what this launch saves."""
+    aligned = [(d | s) % VECTOR_BYTES.value == 0 for d, s in zip(dst_addresses, src_addresses)]
     dst_dtypes, src_dtypes = {d.dtype for d in dsts}, {s.dtype for s in srcs}
-    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    groups: dict[tuple[torch.dtype, torch.dtype, bool], list[int]] = {}
     if len(dst_dtypes) == 1 and len(src_dtypes) == 1:  # the common case, without a per-tensor loop
-        with_elements = [i for i, numel in enumerate(numels) if numel > 0]
-        if with_elements:
-            groups[(*dst_dtypes, *src_dtypes)] = with_elements
+        for is_aligned in (True, False):
+            indices = [i for i, (n, a) in enumerate(zip(numels, aligned)) if n > 0 and a == is_aligned]
+            if indices:
+                groups[(*dst_dtypes, *src_dtypes, is_aligned)] = indices
     else:
-        for i, (dst, src, numel) in enumerate(zip(dsts, srcs, numels)):
+        for i, (dst, src, numel, is_aligned) in enumerate(zip(dsts, srcs, numels, aligned)):
             if numel > 0:
-                groups.setdefault((dst.dtype, src.dtype), []).append(i)
+                groups.setdefault((dst.dtype, src.dtype, is_aligned), []).append(i)
     block_size = block_size or BLOCK_SIZE
     launches = []
-    for (dst_dtype, src_dtype), indices in groups.items():
+    for (dst_dtype, src_dtype, is_aligned), indices in groups.items():
         _check_dtype("destination", dst_dtype)
         _check_dtype("source", src_dtype)
         group_numels = torch.tensor([numels[i] for i in indices], dtype=torch.int64)
@@ -300,7 +340,9 @@ def _plan_scale(
                     "DST_DTYPE": _TRITON_DTYPES[dst_dtype],
                     "SRC_DTYPE": _TRITON_DTYPES[src_dtype],
                     "ACCUMULATE": accumulate,
+                    "ALIGNED": is_aligned,
                     "BLOCK": block_size,
+                    "enable_fp_fusion": False,
                 },
                 addressed=tuple(dsts[i] for i in indices) + tuple(srcs[i] for i in indices),
             )

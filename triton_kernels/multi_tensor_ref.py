@@ -26,7 +26,7 @@ def accumulate_ref_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], 
     else:
         # Not add_(src, alpha=alpha): torch's CPU add rounds alpha to the operands' dtype when both are
         # 16-bit, and fuses the multiply-add for fp32; here alpha stays fp32 and the product is rounded
-        # before the sum, in the kernel's order (a GPU compiler may still fuse them: within an fp32 ulp).
+        # before the sum, as the kernel does.
         torch._foreach_add_(list(dsts), torch._foreach_mul([s.float() for s in srcs], alpha))
 
 

@@ -4,7 +4,8 @@ triton.jit reads TRITON_INTERPRET when a kernel is defined and the interpreter r
 runs, but the rest of the suite must not see it: on a GPU machine triton_kernels.multi_tensor is compiled
 for the GPU and tests/test_kernels.py uses it. So the ``interpreted`` fixture loads a private copy of a
 kernel module with the variable set, and every test in this directory runs with it set. This works in one
-process with the whole suite, whatever imported triton first.
+process with the whole suite, whatever imported triton first. ``compiled_multi_tensor`` loads another copy
+without it, for tests that compile the kernels for a GPU (Triton and ptxas need no GPU for that).
 """
 
 import importlib.util
@@ -25,30 +26,40 @@ def interpret_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-_interpreted_copies: dict[str, ModuleType] = {}
+_private_copies: dict[tuple[str, bool], ModuleType] = {}
 
 
-def load_interpreted(module_name: str) -> ModuleType:
-    """A copy of ``module_name`` whose kernels run in Triton's interpreter, loaded once per session."""
-    if module_name not in _interpreted_copies:
-        copy_name = f"{module_name}__interpreted"
+def load_private_copy(module_name: str, interpret: bool) -> ModuleType:
+    """A copy of ``module_name`` whose kernels run in Triton's interpreter (``interpret``) or compile for a
+    GPU, loaded once per session under its own name, so the module itself is left as the process has it."""
+    key = (module_name, interpret)
+    if key not in _private_copies:
+        copy_name = f"{module_name}__{'interpreted' if interpret else 'compiled'}"
         spec = importlib.util.spec_from_file_location(copy_name, importlib.util.find_spec(module_name).origin)
         module = importlib.util.module_from_spec(spec)
         sys.modules[copy_name] = module  # dataclasses look their module up there
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
+        previous = os.environ.pop("TRITON_INTERPRET", None)
+        if interpret:
+            os.environ["TRITON_INTERPRET"] = "1"
         try:
             spec.loader.exec_module(module)
         finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
+            os.environ.pop("TRITON_INTERPRET", None)
+            if previous is not None:
                 os.environ["TRITON_INTERPRET"] = previous
-        _interpreted_copies[module_name] = module
-    return _interpreted_copies[module_name]
+        _private_copies[key] = module
+    return _private_copies[key]
 
 
 @pytest.fixture
 def multi_tensor(interpret_triton) -> ModuleType:
     """triton_kernels.multi_tensor, interpreted."""
-    return load_interpreted("triton_kernels.multi_tensor")
+    return load_private_copy("triton_kernels.multi_tensor", interpret=True)
+
+
+@pytest.fixture
+def compiled_multi_tensor(interpret_triton, monkeypatch, tmp_path) -> ModuleType:
+    """triton_kernels.multi_tensor compiled for a GPU, without Triton's cache (a fresh one per test)."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    return load_private_copy("triton_kernels.multi_tensor", interpret=False)

@@ -1,8 +1,10 @@
-"""The multi-tensor Triton kernels against their torch references, on CPU through Triton's interpreter.
+"""The multi-tensor Triton kernels against their torch references, on CPU through Triton's interpreter,
+and compiled for a GPU without one.
 
 The kernels and references do the same fp32 operations in the same order (the interpreter does not fuse
-multiply-adds), so results are compared bit for bit. The interpreter's cost is per program, so tensors
-are small and BLOCK is large enough for one program per tensor except the one spanning blocks.
+multiply-adds, and GPU launches turn fusion off), so results are compared bit for bit. The interpreter's
+cost is per program, so tensors are small and BLOCK is large enough for one program per tensor except the
+one spanning blocks.
 """
 
 import pytest
@@ -122,6 +124,22 @@ def test_one_launch_per_dtype_pair(multi_tensor):
     assert multi_tensor.plan_pack([], torch.empty(0)) == []
 
 
+def test_launches_split_by_alignment(multi_tensor):
+    # 128-bit accesses need every address of a launch at a multiple of 16 bytes: pieces of a flat buffer
+    # after an odd-sized tensor are not.
+    def aligned_flags(shapes):
+        launches = multi_tensor.plan_pack(randn_list(FP32, shapes), torch.empty(_numel(shapes)))
+        return [launch.kwargs["ALIGNED"] for launch in launches]
+
+    assert aligned_flags([(128,), (64, 2)]) == [True]
+    assert aligned_flags([(123,), (128,), (4,)]) == [True, False]
+    assert aligned_flags([(1,)]) == [True]
+
+
+def _numel(shapes):
+    return sum(torch.Size(shape).numel() for shape in shapes)
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -173,7 +191,7 @@ def test_device_path_handles_many_tensors_in_one_launch(device_path):
     ref.unpack_ref_(flat, expected, 4.0)
     torch_ext.kernels._unpack_on_device(flat, dsts, 4.0)
     assert_same_bits(dsts, expected)
-    assert device_path == [1, 1]
+    assert device_path == [1, 2]  # unpack: the pieces of flat at 16-byte multiples, and the others
 
 
 def test_device_path_routes_non_contiguous_tensors(device_path):
@@ -196,7 +214,7 @@ def test_device_path_routes_non_contiguous_tensors(device_path):
     ref.unpack_ref_(flat, expected, 0.5)
     torch_ext.kernels._unpack_on_device(flat, outs, 0.5)
     assert_same_bits(outs, expected)
-    assert device_path == [1, 1, 1, 1]
+    assert len(device_path) == 4  # each call launched (the contiguous tensors), split at most by alignment
 
 
 def test_device_path_switch_runs_the_reference(device_path):
@@ -222,3 +240,49 @@ def test_device_path_under_compile_decomposes_into_the_reference(device_path):
     flat = torch.compile(step, fullgraph=True, backend="aot_eager")(dsts, srcs)
     assert_same_bits(dsts + [flat], expected_dsts + [ref.pack_ref(srcs, 2.0)])
     assert device_path == []
+
+
+# The kernels compiled for a GPU (sm_80) without one: Triton's code generator and ptxas accept them, and the
+# full blocks of aligned tensors are read and written with 128-bit accesses (the interpreter ignores both).
+
+
+def _ptx(kernel, signature, constexprs):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(
+        fn=kernel, signature={**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs
+    )
+    asm = triton.compile(source, target=GPUTarget("cuda", 80, 32), options={"enable_fp_fusion": False}).asm
+    assert "cubin" in asm
+    return asm["ptx"]
+
+
+@pytest.mark.parametrize(
+    "dst_dtype, src_dtype, accumulate, aligned",
+    [(FP32, FP32, True, True), (BF16, BF16, True, True), (BF16, FP32, False, True), (FP16, BF16, False, False)],
+)
+def test_scale_kernel_compiles_for_sm80(compiled_multi_tensor, dst_dtype, src_dtype, accumulate, aligned):
+    to_triton = compiled_multi_tensor._TRITON_DTYPES
+    ptx = _ptx(
+        compiled_multi_tensor._multi_tensor_scale_kernel,
+        {"table_ptr": "*i64", "n_tensors": "i32", "n_blocks": "i32", "scale": "fp32"},
+        {
+            "DST_DTYPE": to_triton[dst_dtype],
+            "SRC_DTYPE": to_triton[src_dtype],
+            "ACCUMULATE": accumulate,
+            "ALIGNED": aligned,
+            "BLOCK": 4096,
+        },
+    )
+    assert ("ld.global.v4" in ptx) == aligned
+
+
+def test_sum_n_kernel_compiles_for_sm80(compiled_multi_tensor):
+    ptx = _ptx(
+        compiled_multi_tensor._sum_n_kernel,
+        {"table_ptr": "*i64", "out_ptr": "*bf16", "n_inputs": "i32", "numel": "i64"},
+        {"DTYPE": compiled_multi_tensor._TRITON_DTYPES[BF16], "ALIGNED": True, "BLOCK": 4096},
+    )
+    assert "ld.global.v4" in ptx
