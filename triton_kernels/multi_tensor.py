@@ -248,7 +248,7 @@ def plan_sum_n(tensors: Sequence[torch.Tensor], out: torch.Tensor, block_size: i
 def accumulate_(
     dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alpha: float = 1.0, block_size: int | None = None
 ) -> None:
-    """``dsts[i] += alpha * srcs[i]`` for contiguous same-shape pairs, one launch per dtype pair."""
+    """``dsts[i] += alpha * srcs[i]`` for contiguous same-shape pairs, one launch per dtype pair (two if alignment differs)."""
     _run(plan_accumulate_(dsts, srcs, alpha, block_size))
 
 
