@@ -3,9 +3,9 @@
 Ops and what each is measured against (the torch_ext op with ``use_triton(False)`` runs the plain-torch
 reference of triton_kernels/multi_tensor_ref.py, i.e. torch's foreach ops and copies):
 
-  accumulate  ``dst[i] += src[i]`` over a list: torch_ext (Triton: one launch per dtype pair, two if alignment differs) | reference
-              (``torch._foreach_add_``, which falls back to a launch per tensor when dtypes are mixed) |
-              per_tensor (a loop of ``add_``, as stock AccumulateGrad does).
+  accumulate  ``dst[i] += src[i]`` over a list: torch_ext (Triton: one launch per dtype pair, two if
+              alignment differs) | reference (``torch._foreach_add_``, which falls back to a launch per
+              tensor when dtypes are mixed) | per_tensor (a loop of ``add_``, as stock AccumulateGrad does).
   pack        list -> one flat buffer, scaled and cast: torch_ext | reference (foreach copy into views of
               the buffer) | cat (``torch.cat``, then scale and cast).
   unpack      flat -> the list's tensors, scaled: torch_ext | reference | per_tensor (a loop of ``copy_``).
