@@ -248,7 +248,8 @@ def plan_sum_n(tensors: Sequence[torch.Tensor], out: torch.Tensor, block_size: i
 def accumulate_(
     dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alpha: float = 1.0, block_size: int | None = None
 ) -> None:
-    """``dsts[i] += alpha * srcs[i]`` for contiguous same-shape pairs, one launch per dtype pair (two if alignment differs)."""
+    """``dsts[i] += alpha * srcs[i]`` for contiguous same-shape pairs, one launch per dtype pair (two if
+    alignment differs)."""
     _run(plan_accumulate_(dsts, srcs, alpha, block_size))
 
 
@@ -292,9 +293,9 @@ def _plan_scale(
     block_size: int | None,
 ) -> list[KernelLaunch]:
     """One launch of the scale kernel per (dst dtype, src dtype, all addresses aligned to VECTOR_BYTES), in
-    order of first appearance, for the tensor pairs with elements. dsts[i] and srcs[i] give dtypes and keep memory alive; the addresses may
-    point inside them (pack, unpack). Per-tensor work stays in list comprehensions: at hundreds of
-    tensors the host time of planning is what this launch saves."""
+    order of first appearance, for the tensor pairs with elements. dsts[i] and srcs[i] give dtypes and
+    keep memory alive; the addresses may point inside them (pack, unpack). Per-tensor work stays in list
+    comprehensions: at hundreds of tensors the host time of planning is what this launch saves."""
     aligned = [(d | s) % VECTOR_BYTES.value == 0 for d, s in zip(dst_addresses, src_addresses)]
     dst_dtypes, src_dtypes = {d.dtype for d in dsts}, {s.dtype for s in srcs}
     groups: dict[tuple[torch.dtype, torch.dtype, bool], list[int]] = {}
