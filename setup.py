@@ -15,6 +15,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_PIN = "2.13.0"
+TRITON_REQUIREMENT = "triton==3.9.*; platform_system == 'Linux'"
 
 
 class BuildWithInfo(BuildExtension):
@@ -43,7 +44,14 @@ setup(
     packages=find_packages(include=["torch_ext", "torch_ext.*", "triton_kernels", "triton_kernels.*"]),
     python_requires=">=3.10",
     install_requires=[f"torch=={TORCH_PIN}"],
-    extras_require={"test": ["pytest", "hypothesis"]},
+    extras_require={
+        # The GPU kernels of triton_kernels/; without triton the ops run their torch references. Pinned to
+        # the minor version the kernels were tested with; it requires no other package (no torch). Linux
+        # only: there are no other wheels.
+        "triton": [TRITON_REQUIREMENT],
+        # tests/triton/ runs the kernels on CPU through Triton's interpreter.
+        "test": ["pytest", "hypothesis", TRITON_REQUIREMENT],
+    },
     ext_modules=[
         CppExtension(
             "torch_ext._C",

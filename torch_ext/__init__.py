@@ -16,6 +16,7 @@ from torch_ext.priority import (
 )
 from torch_ext.split import SplitState, backward_input, backward_weight
 
+
 __all__ = [
     "LAUNCH_FIRST",
     "Engine",
@@ -31,16 +32,20 @@ __all__ = [
     "get_priority",
     "grad",
     "is_enabled",
+    "kernels",
     "launch_first",
+    "ops",
     "set_auto_collective_priority",
     "set_priority",
 ]
 
 
 def __getattr__(name: str):
-    # torch_ext.ops registers custom ops and imports torch.distributed: loaded on first use.
-    if name == "ops":
-        import torch_ext.ops
+    # Submodules imported on first use. torch_ext.kernels: registering its ops imports torch._inductor
+    # when triton is installed (torch.library.triton_op), about 2 s here on top of torch's 3 s.
+    # torch_ext.ops registers the collective ops and imports torch.distributed.
+    if name in ("kernels", "ops"):
+        import importlib
 
-        return torch_ext.ops
+        return importlib.import_module(f"torch_ext.{name}")
     raise AttributeError(f"module 'torch_ext' has no attribute {name!r}")
