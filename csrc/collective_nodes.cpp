@@ -41,6 +41,7 @@ bool is_collective_class_name(std::string_view name) {
     return false;
   }
   name.remove_prefix(kOwn.size());
+  // "all_reduce_" also covers all_reduce_coalesced.
   for (std::string_view op :
        {"all_to_all_single_", "all_reduce_", "reduce_scatter_tensor_",
         "all_gather_into_tensor_"}) {

@@ -16,7 +16,7 @@ inline constexpr int64_t kCollectivePriority = int64_t{1} << 62;
 
 // Whether `fn` is the backward node of a collective: one of torch_ext's
 // collective ops (torch_ext::all_to_all_single, all_reduce,
-// reduce_scatter_tensor, all_gather_into_tensor) or one of PyTorch's
+// all_reduce_coalesced, reduce_scatter_tensor, all_gather_into_tensor) or one of PyTorch's
 // functional collectives (_c10d_functional::*, _c10d_functional_autograd::*).
 // Both are torch.library ops with a Python autograd formula, so their nodes
 // are PyNodes of a generated Function class named after the op. Runs during

@@ -16,7 +16,6 @@ from torch_ext.priority import (
 )
 from torch_ext.split import SplitState, backward_input, backward_weight
 
-
 __all__ = [
     "LAUNCH_FIRST",
     "Engine",

@@ -92,6 +92,35 @@ def _values(rank: int) -> dict:
     return results
 
 
+def _coalesced(rank: int) -> dict:
+    """all_reduce_coalesced: values against one functional all_reduce per tensor, and its backward
+    bucket in flight while later nodes run."""
+    name = dist.group.WORLD.group_name
+    shapes = [(3, 2), (5,), (2, 2, 2)]
+    results = {}
+    for engine in ("stock", "torch_ext", "reference"):
+        leaves = [_leaf(rank, *shape, salt=i) for i, shape in enumerate(shapes)]
+        if engine == "reference":
+            outs = [funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(t, "sum", name)) for t in leaves]
+        else:
+            outs = xops.all_reduce_coalesced(leaves)
+        loss = sum((out * (i + 1) * (rank + 1)).sum() for i, out in enumerate(outs))
+        _backward(loss, "stock" if engine == "reference" else engine)
+        results[engine] = {"forward": [out.detach() for out in outs], "grads": [leaf.grad for leaf in leaves]}
+
+    leaves = [_leaf(rank, *shape, salt=i) for i, shape in enumerate(shapes)]
+    outs = xops.all_reduce_coalesced([leaf * 1.0 for leaf in leaves])
+    dense = _leaf(rank, 4, 3, salt=7)
+    for _ in range(2):
+        dense = dense.tanh()
+    log = []
+    dense.grad_fn.register_prehook(lambda grads: log.append(("dense_top", in_flight())))
+    torch_ext.backward(sum(out.sum() for out in outs) + dense.sum())
+    results["dense_top_in_flight"] = dict(log)["dense_top"]
+    results["in_flight_after"] = in_flight()
+    return results
+
+
 def _sparse_dense_loss(rank: int, collective) -> tuple[torch.Tensor, torch.Tensor, list, dict]:
     """A recommendation-style graph: lookup -> collective -> one sparse layer; a dense chain created later.
 
@@ -196,6 +225,10 @@ def _opchecks(rank: int) -> dict:
             torch.ops.torch_ext.all_gather_into_tensor.default,
             (_leaf(rank, 2, 3), WORLD_SIZE, name),
         ),
+        "all_reduce_coalesced": (
+            torch.ops.torch_ext.all_reduce_coalesced.default,
+            ([_leaf(rank, 3, 2), _leaf(rank, 5, salt=1)], "sum", name),
+        ),
     }
     return {op_name: torch.library.opcheck(op, args) for op_name, (op, args) in samples.items()}
 
@@ -231,6 +264,8 @@ def _bad_input(rank: int) -> dict:
         "reduce_op": lambda: xops.all_reduce(x, "max"),
         "scatter_indivisible": lambda: xops.reduce_scatter_tensor(_leaf(rank, 3, 2)),
         "group_type": lambda: xops.all_reduce(x, group=3),
+        "bucket_dtypes": lambda: xops.all_reduce_coalesced([x, x.double()]),
+        "bucket_empty": lambda: xops.all_reduce_coalesced([]),
     }
     messages = {}
     for label, attempt in attempts.items():
@@ -245,6 +280,7 @@ def _bad_input(rank: int) -> dict:
 def _run_everything(rank: int) -> dict:
     return {
         "values": _values(rank),
+        "coalesced": _coalesced(rank),
         "scheduling": _scheduling(rank),
         "error": _error_with_collective_in_flight(rank),
         "opcheck": _opchecks(rank),
@@ -269,6 +305,16 @@ def test_values_match_stock(op_name, rank_results):
         assert_identical(runs["torch_ext"], runs["reference"], f"rank {rank} {op_name} torch_ext engine")
         if "c10d" in runs:
             assert torch.equal(runs["stock"]["forward"], runs["c10d"]["forward"])
+
+
+def test_all_reduce_coalesced_matches_one_all_reduce_per_tensor(rank_results):
+    for rank, result in enumerate(rank_results):
+        runs = result["coalesced"]
+        assert_identical(runs["stock"], runs["reference"], f"rank {rank} stock engine")
+        assert_identical(runs["torch_ext"], runs["reference"], f"rank {rank} torch_ext engine")
+        # The bucket's gradient all_reduce was launched first and still in flight at the dense chain.
+        assert runs["dense_top_in_flight"] == 1
+        assert runs["in_flight_after"] == 0
 
 
 def _order(log) -> list[str]:
@@ -322,7 +368,8 @@ def test_error_after_launch_still_waits(rank_results):
 
 
 @pytest.mark.parametrize(
-    "op_name", ["all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"]
+    "op_name",
+    ["all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce_coalesced"],
 )
 def test_opcheck(op_name, rank_results):
     for result in rank_results:
@@ -344,6 +391,8 @@ def test_bad_input_errors(rank_results):
         "reduce_op": "ValueError: torch_ext.ops.all_reduce: reduce_op must be one of",
         "scatter_indivisible": "ValueError: torch_ext.ops.reduce_scatter_tensor: input.shape[0] must be divisible",
         "group_type": "TypeError: torch_ext.ops.all_reduce: group must be a torch.distributed.ProcessGroup",
+        "bucket_dtypes": "ValueError: torch_ext.ops.all_reduce_coalesced: inputs[1] is torch.float64",
+        "bucket_empty": "ValueError: torch_ext.ops.all_reduce_coalesced: inputs is empty",
     }
     for result in rank_results:
         for label, prefix in expected.items():

@@ -193,6 +193,86 @@ def all_reduce(input: Tensor, reduce_op: str = "sum", group=None) -> Tensor:
     return _all_reduce(input, _reduce_op(reduce_op, "all_reduce"), _group_name(group, "all_reduce"))
 
 
+# --- all_reduce_coalesced: a bucket of tensors, one collective ----------------------------------------
+
+
+def _kernels():
+    # torch_ext.kernels costs ~2 s to import (triton_op imports torch._inductor); only buckets need it.
+    from torch_ext import kernels
+
+    return kernels
+
+
+@torch.library.custom_op("torch_ext::all_reduce_coalesced", mutates_args=())
+def _all_reduce_coalesced(inputs: list[Tensor], reduce_op: str, group_name: str) -> list[Tensor]:
+    kernels = _kernels()
+    reduced = _wait(torch.ops._c10d_functional.all_reduce(kernels.pack(inputs), reduce_op, group_name))
+    outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+    kernels.unpack_(reduced, outputs)
+    return outputs
+
+
+@_all_reduce_coalesced.register_fake
+def _(inputs, reduce_op, group_name):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+
+
+def _all_reduce_coalesced_setup(ctx, inputs, output):
+    tensors, ctx.reduce_op, ctx.group_name = inputs
+    ctx.shapes = [t.shape for t in tensors]
+    ctx.dtype, ctx.device = tensors[0].dtype, tensors[0].device
+
+
+def _all_reduce_coalesced_backward(ctx, grads):
+    grads = [
+        grad if grad is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+        for grad, shape in zip(grads, ctx.shapes, strict=True)
+    ]
+    # One packed buffer, one collective; the gradients are views of its result, so nothing has to
+    # read the result before the engine's wait at first use (unpacking into copies would).
+    result = torch.ops._c10d_functional.all_reduce(_kernels().pack(grads), ctx.reduce_op, ctx.group_name)
+    pieces = [
+        piece.view(shape)
+        for piece, shape in zip(result.split([shape.numel() for shape in ctx.shapes]), ctx.shapes, strict=True)
+    ]
+    # c10d finds a collective's work by the storage, so waiting on any piece waits for the bucket;
+    # the engine defers all pieces or (same node, same conditions) none.
+    if not pieces or not _C.defer_wait(pieces[0]):
+        _wait(result)
+    else:
+        for piece in pieces[1:]:
+            _C.defer_wait(piece)
+    return pieces, None, None
+
+
+_all_reduce_coalesced.register_autograd(_all_reduce_coalesced_backward, setup_context=_all_reduce_coalesced_setup)
+
+
+def all_reduce_coalesced(inputs: list[Tensor], reduce_op: str = "sum", group=None) -> list[Tensor]:
+    """All-reduces a bucket of tensors with one collective: packs them into one buffer, reduces it and
+    returns the reduced tensors (new tensors; the inputs are not modified).
+
+    The tensors must share a dtype (float32, float16 or bfloat16) and a device. Packing and unpacking
+    use :mod:`torch_ext.kernels` (one Triton launch each on CUDA). Backward packs the gradients,
+    launches one all_reduce and returns views of its result, waited on at first use.
+    """
+    op = _reduce_op(reduce_op, "all_reduce_coalesced")
+    name = _group_name(group, "all_reduce_coalesced")
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("torch_ext.ops.all_reduce_coalesced: inputs is empty")
+    first = inputs[0]
+    for index, tensor in enumerate(inputs):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"torch_ext.ops.all_reduce_coalesced: inputs[{index}] is a {type(tensor).__name__}")
+        if (tensor.dtype, tensor.device) != (first.dtype, first.device):
+            raise ValueError(
+                f"torch_ext.ops.all_reduce_coalesced: inputs[{index}] is {tensor.dtype} on {tensor.device}, "
+                f"inputs[0] {first.dtype} on {first.device}; a bucket holds one dtype on one device"
+            )
+    return _all_reduce_coalesced(inputs, op, name)
+
+
 # --- reduce_scatter_tensor / all_gather_into_tensor --------------------------------------------------
 
 
