@@ -6,14 +6,17 @@ import torch
 import torch_ext
 
 
-def recsys_like(seed=0):
+def recsys_like(seed=0, exchange=None):
     """loss = (sparse path * dense path).sum(): the sparse path starts at `lookup` (stands for an
-    all_to_all output) and is created before the dense path, so stock runs the dense path first."""
+    all_to_all output; `exchange`, if given, is applied to make it) and is created before the dense
+    path, so stock runs the dense path first."""
     torch.manual_seed(seed)
     w_sparse = [torch.randn(4, 4, requires_grad=True) for _ in range(3)]
     w_dense = [torch.randn(4, 4, requires_grad=True) for _ in range(3)]
     table = torch.randn(2, 4, requires_grad=True)
     lookup = table.exp()
+    if exchange is not None:
+        lookup = exchange(lookup)
     sparse = lookup
     for w in w_sparse:
         sparse = torch.tanh(sparse @ w)
@@ -279,19 +282,11 @@ def test_collectives_get_a_propagated_priority_unless_switched_off():
     collective = _named_function("GeneratedBackwardFor__c10d_functional_all_to_all_single_default")
 
     def run(on_torch_ext):
-        loss, lookup, w_sparse, w_dense, leaves = recsys_like()
-        # Stands for the all_to_all: between the table's lookup and the sparse layers.
-        exchanged = collective.apply(lookup)
-        sparse = exchanged
-        for w in w_sparse:
-            sparse = torch.tanh(sparse @ w)
-        dense = torch.randn(2, 4)
-        for w in w_dense:
-            dense = torch.relu(dense @ w)
-        loss = (sparse * dense).sum()
+        loss, exchanged, _, _, leaves = recsys_like(exchange=collective.apply)
+        dense = loss.grad_fn.next_functions[0][0].next_functions[1][0]  # Sum <- Mul(sparse, dense)
         order = []
         exchanged.grad_fn.register_prehook(lambda grads: order.append("collective"))
-        dense.grad_fn.register_prehook(lambda grads: order.append("dense_top"))
+        dense.register_prehook(lambda grads: order.append("dense_top"))
         (torch_ext.backward if on_torch_ext else torch.autograd.backward)(loss)
         return order, [leaf.grad for leaf in leaves]
 
