@@ -8,6 +8,7 @@
 
 #include "python_split.h"
 
+#include "batched_accumulation.h"
 #include "engine_api.h"
 #include "split_backward.h"
 
@@ -15,6 +16,7 @@
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils.h>
+#include <torch/csrc/utils/python_strings.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <new>
@@ -253,6 +255,50 @@ PyObject* py_backward_weight(PyObject* /*module*/, PyObject* args) {
     grads = backward_weight(*split_state, keep_graph != 0);
   }
   return wrap_tensors(grads);
+  END_HANDLE_TH_ERRORS
+}
+
+namespace {
+
+constexpr std::pair<const char*, WeightAccumulationBatching> kBatchingModes[] = {
+    {"off", WeightAccumulationBatching::kOff},
+    {"accelerator", WeightAccumulationBatching::kAccelerator},
+    {"always", WeightAccumulationBatching::kAlways},
+};
+
+} // namespace
+
+PyObject* py_set_weight_accumulation_batching(PyObject* /*module*/, PyObject* mode) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(
+      PyUnicode_Check(mode),
+      "set_weight_accumulation_batching expects a str, got ",
+      Py_TYPE(mode)->tp_name);
+  const std::string name = THPUtils_unpackString(mode);
+  for (const auto& [mode_name, value] : kBatchingModes) {
+    if (name == mode_name) {
+      set_weight_accumulation_batching(value);
+      Py_RETURN_NONE;
+    }
+  }
+  TORCH_CHECK_VALUE(
+      false,
+      "set_weight_accumulation_batching: mode must be 'off', 'accelerator' or "
+      "'always', got '",
+      name,
+      "'");
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_weight_accumulation_batching(PyObject* /*module*/, PyObject* /*unused*/) {
+  HANDLE_TH_ERRORS
+  const auto current = weight_accumulation_batching();
+  for (const auto& [mode_name, value] : kBatchingModes) {
+    if (value == current) {
+      return PyUnicode_FromString(mode_name);
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown weight accumulation batching mode");
   END_HANDLE_TH_ERRORS
 }
 

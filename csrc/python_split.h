@@ -12,6 +12,8 @@ namespace torch_ext {
 PyObject* py_backward_input(PyObject* module, PyObject* args);
 // backward_weight(state, keep_graph) -> weight gradients
 PyObject* py_backward_weight(PyObject* module, PyObject* args);
+PyObject* py_set_weight_accumulation_batching(PyObject* module, PyObject* mode);
+PyObject* py_weight_accumulation_batching(PyObject* module, PyObject* unused);
 
 // Adds the SplitState type to `module` and lets split passes narrow custom
 // Functions' ctx.needs_input_grad. False, with a Python error set, on failure.

@@ -3,6 +3,7 @@
 
 #include "split_backward.h"
 
+#include "batched_accumulation.h"
 #include "engine_api.h"
 
 #include <ATen/SequenceNumber.h>
@@ -416,7 +417,14 @@ class InputPass final : public SplitPass {
 class WeightPass final : public SplitPass {
  public:
   WeightPass(SplitState& state, bool keep_graph)
-      : state_(state), keep_graph_(keep_graph) {}
+      : state_(state),
+        keep_graph_(keep_graph),
+        batch_accumulation_(AccumulationBatch::available()) {}
+
+  // Accumulates what the batch took over (batched_accumulation.h).
+  void flush_accumulation() {
+    batch_.flush();
+  }
 
   void build_plan(GraphPlan& plan, std::unordered_set<Node*>* nodes_in_graph)
       override {
@@ -452,6 +460,9 @@ class WeightPass final : public SplitPass {
       override {
     const int32_t frontier_index = state_.frontier_of_slot[slot];
     if (frontier_index == kNoSlot) {
+      if (batch_accumulation_ && batch_.try_take(fn, buffered)) {
+        return {}; // what an AccumulateGrad returns
+      }
       return run_whole_node(fn, std::move(buffered), keep_graph_);
     }
     FrontierNode& frontier = state_.frontier[frontier_index];
@@ -472,6 +483,8 @@ class WeightPass final : public SplitPass {
  private:
   SplitState& state_;
   const bool keep_graph_;
+  const bool batch_accumulation_;
+  AccumulationBatch batch_;
 };
 
 Edge weight_edge(const at::Tensor& weight, size_t index) {
@@ -561,7 +574,14 @@ variable_list backward_weight(SplitState& state, bool keep_graph) {
          /*accumulate_grad=*/true},
         {});
     call.set_split_pass(&pass);
-    run_in_host_task(call, keep_graph, /*filtered=*/true);
+    try {
+      run_in_host_task(call, keep_graph, /*filtered=*/true);
+    } catch (...) {
+      // Stock would have accumulated these before the error.
+      pass.flush_accumulation();
+      throw;
+    }
+    pass.flush_accumulation();
   }
   variable_list grads;
   grads.reserve(state.weights.size());

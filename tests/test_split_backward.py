@@ -266,6 +266,62 @@ def test_split_matches_full_stock_backward(case: Case) -> None:
     assert_same(split.weights, stock.weights, "weight .grad")
 
 
+@pytest.fixture
+def batched_accumulation_everywhere():
+    """Weight-pass accumulation batched on CPU too (the default batches on accelerators only)."""
+    before = torch_ext.weight_accumulation_batching()
+    torch_ext.set_weight_accumulation_batching("always")
+    yield
+    torch_ext.set_weight_accumulation_batching(before)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_batched_accumulation_matches_full_stock_backward(case: Case, batched_accumulation_everywhere) -> None:
+    # The second microbatch's weight pass accumulates into .grad that the first one made: batched.
+    stock = train_stock(case)
+    split = train_split(case)
+    assert_same(split.weights, stock.weights, "weight .grad")
+
+
+class AccumulateCalls(TorchDispatchMode):
+    """Records how many tensors each torch_ext::multi_tensor_accumulate_ call accumulates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.torch_ext.multi_tensor_accumulate_.default:
+            self.batch_sizes.append(len(args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_batched_accumulation_is_one_call_and_leaves_observed_weights_to_their_node(
+    batched_accumulation_everywhere,
+) -> None:
+    torch.manual_seed(SEED)
+    forward = mlp()
+    microbatches = [forward() for _ in range(MICROBATCHES)]
+    weights = microbatches[0].weights
+    hooked = weights[0]
+    hook_calls = []
+    hooked.register_post_accumulate_grad_hook(lambda param: hook_calls.append(param.grad.clone()))
+    states = [torch_ext.backward_input(mb.outputs, mb.grad_outputs, mb.inputs, mb.weights)[1] for mb in microbatches]
+    with AccumulateCalls() as first:
+        torch_ext.backward_weight(states[0])
+    # No .grad yet: AccumulateGrad takes the gradient as it is, nothing to batch.
+    assert first.batch_sizes == []
+    with AccumulateCalls() as second:
+        torch_ext.backward_weight(states[1])
+    # Every weight but the hooked one, in one call; the hooked one ran its AccumulateGrad and hook.
+    assert second.batch_sizes == [len(weights) - 1]
+    assert len(hook_calls) == 2 and torch.equal(hook_calls[1], hooked.grad)
+    torch_ext.set_weight_accumulation_batching("off")
+    with pytest.raises(ValueError, match="mode must be 'off', 'accelerator' or 'always'"):
+        torch_ext.set_weight_accumulation_batching("sometimes")
+    assert torch_ext.weight_accumulation_batching() == "off"
+
+
 class MatmulShapes(TorchDispatchMode):
     """Records the output shape of every matrix multiplication."""
 

@@ -14,7 +14,13 @@ from torch_ext.priority import (
     set_auto_collective_priority,
     set_priority,
 )
-from torch_ext.split import SplitState, backward_input, backward_weight
+from torch_ext.split import (
+    SplitState,
+    backward_input,
+    backward_weight,
+    set_weight_accumulation_batching,
+    weight_accumulation_batching,
+)
 
 __all__ = [
     "LAUNCH_FIRST",
@@ -36,6 +42,8 @@ __all__ = [
     "ops",
     "set_auto_collective_priority",
     "set_priority",
+    "set_weight_accumulation_batching",
+    "weight_accumulation_batching",
 ]
 
 

@@ -74,4 +74,32 @@ def backward_weight(state: SplitState, *, retain_graph: bool = False) -> tuple[t
     ``.grad`` was ``None`` before). Raises if ``state`` was already used. With ``retain_graph``, the
     weight subgraph's saved tensors are kept.
     """
+    mode = _C.weight_accumulation_batching()
+    if mode == "always" or (mode == "accelerator" and torch.cuda.is_available()):
+        # Registers torch_ext::multi_tensor_accumulate_, which the batch calls (imported once, ~2 s).
+        import torch_ext.kernels  # noqa: F401
     return _C.backward_weight(state, retain_graph)
+
+
+def set_weight_accumulation_batching(mode: str) -> None:
+    """How the weight pass accumulates into ``.grad`` that already holds a gradient.
+
+    When nothing observes the accumulation (no hook of any kind on the weight, grad mode off), each
+    weight's AccumulateGrad would do ``.grad += gradient`` in place, one kernel launch per weight on
+    a GPU. Batching takes those over and runs them as one ``torch_ext.kernels.multi_tensor_accumulate_``
+    (one Triton launch per dtype on CUDA) when the pass ends, with the same bits.
+
+    Args:
+        mode: ``"accelerator"`` (default: weights on CUDA and other accelerators), ``"always"`` (CPU
+            too; there the op is ``torch._foreach_add_``) or ``"off"`` (every weight through its own
+            AccumulateGrad). ``torch_ext.kernels.use_triton(False)`` keeps the batch but swaps the
+            Triton kernel for the torch reference.
+    """
+    if not isinstance(mode, str):
+        raise TypeError(f"torch_ext.set_weight_accumulation_batching: mode must be a str, got {type(mode).__name__}")
+    _C.set_weight_accumulation_batching(mode)
+
+
+def weight_accumulation_batching() -> str:
+    """The mode :func:`set_weight_accumulation_batching` set."""
+    return _C.weight_accumulation_batching()
