@@ -32,9 +32,12 @@ bool is_collective_class_name(std::string_view name) {
   name.remove_prefix(kGenerated.size());
   constexpr std::string_view kFunctional = "_c10d_functional_";
   if (starts_with(name, kFunctional)) {
-    // Also _c10d_functional_autograd_*. wait_tensor is not a collective: it
-    // is on the path to one, and so gets the priority anyway.
-    return name.find("wait_tensor") == std::string_view::npos;
+    // Also _c10d_functional_autograd_*. Two of the namespace's ops are not
+    // collectives: wait_tensor, and _wrap_tensor_autograd (the identity that
+    // turns a result into an AsyncCollectiveTensor). Both are on the path to
+    // the collective they belong to, and so get its priority anyway.
+    return name.find("wait_tensor") == std::string_view::npos &&
+        name.find("_wrap_tensor_autograd") == std::string_view::npos;
   }
   constexpr std::string_view kOwn = "torch_ext_";
   if (!starts_with(name, kOwn)) {

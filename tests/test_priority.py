@@ -266,6 +266,7 @@ def _named_function(class_name):
         ("GeneratedBackwardFor__c10d_functional_autograd_all_gather_into_tensor_default", True),
         ("GeneratedBackwardFor_torch_ext_reduce_scatter_tensor_default", True),
         ("GeneratedBackwardFor__c10d_functional_wait_tensor_default", False),
+        ("GeneratedBackwardFor__c10d_functional__wrap_tensor_autograd_default", False),
         ("GeneratedBackwardFor_torch_ext_backward_default", False),
         ("GeneratedBackwardFor_mylib_all_to_all_single_default", False),
         ("AllToAll", False),
