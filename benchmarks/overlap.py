@@ -127,7 +127,10 @@ def _funcol_exchange(rows: torch.Tensor) -> torch.Tensor:
 
 def _boosted_funcol_exchange(rows: torch.Tensor) -> torch.Tensor:
     exchanged = _funcol_exchange(rows)
+    # The result's grad_fn is _c10d_functional::_wrap_tensor_autograd, an identity in front of the
+    # all_to_all's own node; boosting only the wrapper would leave the collective at its own number.
     exchanged.grad_fn._set_sequence_nr(SEQUENCE_NR_BOOST)
+    exchanged.grad_fn.next_functions[0][0]._set_sequence_nr(SEQUENCE_NR_BOOST)
     return exchanged
 
 

@@ -137,13 +137,18 @@ def _sparse_dense_loss(rank: int, collective) -> tuple[torch.Tensor, torch.Tenso
         dense = (dense @ weight).tanh()
     loss = sparse.sum() + dense.sum()
     log: list = []
+    collective_node = exchanged.grad_fn
+    # PyTorch's functional collectives hand their result out through _c10d_functional::_wrap_tensor_autograd,
+    # an identity node between the collective's node and its readers.
+    if "_wrap_tensor_autograd" in collective_node.name():
+        collective_node = collective_node.next_functions[0][0]
     watched = {
         "sparse": sparse.grad_fn,
-        "collective": exchanged.grad_fn,
+        "collective": collective_node,
         "dense_top": dense.grad_fn,
         "dense_bottom": dense.grad_fn.next_functions[0][0].next_functions[0][0],
         # The node that reads the collective's result: the `table * 1.0` MulBackward.
-        "consumer": exchanged.grad_fn.next_functions[0][0],
+        "consumer": collective_node.next_functions[0][0],
     }
     for label, node in watched.items():
         node.register_prehook(lambda grads, label=label: log.append((label, in_flight())))
