@@ -41,7 +41,13 @@ setup(
     name="torch_ext",
     version="0.1.0",
     description="An autograd engine for PyTorch with control over backward order",
-    packages=find_packages(include=["torch_ext", "torch_ext.*", "triton_kernels", "triton_kernels.*"]),
+    packages=[
+        *find_packages(include=["torch_ext", "torch_ext.*", "triton_kernels", "triton_kernels.*"]),
+        # The benchmark scripts, for `python -m torch_ext bench` (torch_ext/bench.py) when installed from a wheel.
+        # They stay scripts in benchmarks/ (no __init__.py: they import _common from their own directory).
+        "torch_ext.benchmarks",
+    ],
+    package_dir={"torch_ext.benchmarks": "benchmarks"},
     python_requires=">=3.10",
     install_requires=[f"torch=={TORCH_PIN}"],
     extras_require={
@@ -50,8 +56,11 @@ setup(
         # only: there are no other wheels.
         "triton": [TRITON_REQUIREMENT],
         # tests/triton/ runs the kernels on CPU through Triton's interpreter.
-        "test": ["pytest", "hypothesis", TRITON_REQUIREMENT],
+        "test": ["pytest", "hypothesis", TRITON_REQUIREMENT, "matplotlib", "tqdm"],
+        # `python -m torch_ext bench`: its plots and progress bar (without them it prints lines and no plots).
+        "bench": ["matplotlib", "tqdm"],
     },
+    entry_points={"console_scripts": ["torch-ext = torch_ext.__main__:main"]},
     ext_modules=[
         CppExtension(
             "torch_ext._C",

@@ -11,6 +11,7 @@ import gc
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,12 @@ def timed_call(fn: Callable[..., T], *args: object, **kwargs: object) -> tuple[i
     finally:
         if gc_was_enabled:
             gc.enable()
+
+
+def progress(message: str) -> None:
+    """Prints a progress line: to stderr, flushed at once, so that stdout carries only results and
+    whoever watches a run (a terminal, ``python -m torch_ext bench`` reading the log) sees where it is."""
+    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

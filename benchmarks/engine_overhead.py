@@ -60,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from _common import Summary, csv_row, git_sha, summarize, timed_call, write_csv
+from _common import Summary, csv_row, git_sha, progress, summarize, timed_call, write_csv
 from torch.autograd.graph import get_gradient_edge
 
 import torch_ext
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in CASES:
         reps = args.reps if args.reps is not None else (case.quick_reps if args.quick else case.reps)
         case = dataclasses.replace(case, reps=reps)
-        print(f"{case.name}: {case.reps} repetitions of each engine", file=sys.stderr, flush=True)
+        progress(f"{case.name}: {case.reps} repetitions of each engine")
         build = case.make_builder()
         check_same_gradients(case, build)
         nodes = case.call.count_nodes(fresh_graph(build))

@@ -26,7 +26,7 @@ rounds of both, the kernels and copies one call launches (torch.profiler), and t
 op must read and write over the device time, against the device's copy bandwidth (do_bench of a 256 MB
 ``copy_``, counting bytes read plus written).
 
-    python benchmarks/kernels.py [--rounds N] [--block-size N] [--out results/kernels.csv]
+    python benchmarks/kernels.py [--quick] [--rounds N] [--block-size N] [--out results/kernels.csv]
 
 Without a CUDA device or without triton there is nothing to measure: it says so and exits 0.
 """
@@ -41,10 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from _common import Summary, csv_row, git_sha, summarize, write_csv
+from _common import Summary, csv_row, git_sha, progress, summarize, write_csv
 
 FP32, BF16 = torch.float32, torch.bfloat16
 WALL_CALLS = 50  # back-to-back calls per wall-time sample
+ROUNDS = 5
+# The fewest rounds that give percentiles: --quick checks that every variant runs and agrees.
+QUICK_ROUNDS = 2
 COPY_BYTES = 256 * 2**20
 DEVICE = "cuda"
 
@@ -275,10 +278,13 @@ def copy_bandwidth_gbs(do_bench) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of every variant (default 5)")
+    parser.add_argument("--rounds", type=int, help=f"alternating rounds of every variant (default {ROUNDS})")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_ROUNDS} rounds (CI smoke run)")
     parser.add_argument("--block-size", type=int, help="elements per Triton program (a power of 2)")
     parser.add_argument("--out", default="results/kernels.csv", help="long-format CSV to write")
     args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = QUICK_ROUNDS if args.quick else ROUNDS
     if args.rounds < 2:
         parser.error("--rounds must be at least 2 (percentiles need two samples)")
 
@@ -306,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [csv_row("device", device, str(COPY_BYTES), "copy_GBps", Summary(copy_gbs, copy_gbs, copy_gbs), sha)]
     table = []
     for case in cases():
-        print(f"{case.op} {case.list_name} {case.dtypes}", file=sys.stderr, flush=True)
+        progress(f"{case.op} {case.list_name} {case.dtypes}")
         check_variants_agree(case)
         calls = {name: make()[0] for name, make in case.variants.items()}
         launches = {name: count_launches(call) for name, call in calls.items()}

@@ -40,13 +40,19 @@ without the CPU; to model one the script runs the ranks in a private network nam
 loopback is rate-limited to LINK_RATE with HTB (needs root and iproute2). When the namespace cannot
 be made it says so and falls back to plain loopback, where no engine can show overlap.
 
-    python benchmarks/overlap.py [--quick] [--reps N] [--payload-mib M] [--no-netns] [--out CSV]
+With ``--timeline PNG``, after timing, both ranks run one more backward of stock and one of torch_ext
+under a tracer (stock: ``torch.profiler``, converted by ``stock_backward_events``; torch_ext:
+``torch_ext.trace()``), and rank 0 draws rank 0's two timelines one above the other with
+``torch_ext.tracing.plot_timelines`` and writes their events beside the PNG (same name, ``.json``).
+
+    python benchmarks/overlap.py [--quick] [--reps N] [--payload-mib M] [--no-netns] [--timeline PNG] [--out CSV]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shutil
 import statistics
@@ -60,7 +66,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _common import Summary, csv_row, git_sha, summarize, write_csv
+from _common import Summary, csv_row, git_sha, progress, summarize, write_csv
 from torch import nn
 
 import torch_ext
@@ -90,6 +96,8 @@ class Config:
     reps: int
     warmup: int
     calibration_reps: int
+    # Where rank 0 draws the stock and torch_ext timelines (None: not traced).
+    timeline_png: str | None = None
 
     @property
     def embedding_dim(self) -> int:
@@ -237,6 +245,10 @@ def _run_rank(rank: int, port: int, config: Config, queue) -> None:
                 elapsed = _step(model, inputs, variant, dim)
                 if rep >= config.warmup:
                     times[variant].append(elapsed)
+        if config.timeline_png is not None:
+            timelines = _traced_timelines(model, inputs)
+            if rank == 0:
+                _write_timelines(timelines, config.timeline_png, dense_layers, dim)
         # The step takes as long as its slowest rank.
         gathered: list = [None] * WORLD_SIZE
         dist.all_gather_object(gathered, times)
@@ -255,6 +267,145 @@ def _run_rank(rank: int, port: int, config: Config, queue) -> None:
             )
     finally:
         dist.destroy_process_group()
+
+
+# --- timelines ----------------------------------------------------------------------------------
+
+# The profiler's name for one node run by the stock engine.
+PROFILER_NODE_PREFIX = "autograd::engine::evaluate_function: "
+# A process group's ops (c10d::alltoall_base_, c10d::allreduce_, ...): a node inside which one runs
+# launched a collective.
+PROFILER_COLLECTIVE_PREFIX = "c10d::"
+# Where a functional collective blocks for its result (inside the collective's own backward node).
+PROFILER_WAIT_OPS = ("_c10d_functional::wait_tensor",)
+# Node._sequence_nr() of a node without one (AccumulateGrad); the profiler records -1.
+NO_SEQUENCE_NR = 2**64 - 1
+
+
+def stock_backward_events(loss: torch.Tensor) -> list[dict]:
+    """``loss.backward()`` on the stock engine, under torch.profiler, as a timeline in the event format
+    of ``torch_ext.trace()``: one ``backward`` event for the call, one ``node`` event per node the
+    engine ran (``collective`` when a process-group op ran inside it) and one ``collective_wait``
+    per functional collective's wait, with ``wait_for`` the sequence_nr of the collective node it
+    waits in. Stock has no priorities: ``priority`` is 0, ``priority_from`` None.
+
+    Times are on ``time.perf_counter_ns``'s clock, as torch_ext's: the profiler stamps events with
+    wall-clock (Unix) time, so they are shifted by the two clocks' difference, read back to back.
+    (Anchoring on a ``record_function`` mark instead was off by up to 0.8 ms: its start is stamped
+    before the first call's dispatch overhead, measured here.)
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        start_ns = time.perf_counter_ns()
+        loss.backward()
+        end_ns = time.perf_counter_ns()
+    to_perf_counter = _perf_counter_minus_wall_clock_ns()
+    events = profile.profiler.kineto_results.events()
+    nodes = sorted((e for e in events if e.name().startswith(PROFILER_NODE_PREFIX)), key=lambda e: e.start_ns())
+
+    def innermost_node(event):
+        enclosing = [
+            node
+            for node in nodes
+            if node.start_thread_id() == event.start_thread_id()
+            and node.start_ns() <= event.start_ns()
+            and event.end_ns() <= node.end_ns()
+        ]
+        return max(enclosing, key=lambda node: node.start_ns(), default=None)
+
+    def sequence_nr(node) -> int:
+        return NO_SEQUENCE_NR if node.sequence_nr() < 0 else node.sequence_nr()
+
+    launched_in = {id(innermost_node(e)) for e in events if e.name().startswith(PROFILER_COLLECTIVE_PREFIX)}
+    backward_thread = nodes[0].start_thread_id() if nodes else None
+    timeline = [_timeline_event("backward", "backward", None, start_ns, end_ns, backward_thread, False, None)]
+    for node in nodes:
+        timeline.append(
+            _timeline_event(
+                "node",
+                node.name().removeprefix(PROFILER_NODE_PREFIX),
+                sequence_nr(node),
+                node.start_ns() + to_perf_counter,
+                node.end_ns() + to_perf_counter,
+                node.start_thread_id(),
+                id(node) in launched_in,
+                None,
+            )
+        )
+    for wait in (e for e in events if e.name() in PROFILER_WAIT_OPS):
+        node = innermost_node(wait)
+        waiting_in = None if node is None else sequence_nr(node)
+        timeline.append(
+            _timeline_event(
+                "collective_wait",
+                wait.name(),
+                waiting_in,
+                wait.start_ns() + to_perf_counter,
+                wait.end_ns() + to_perf_counter,
+                wait.start_thread_id(),
+                True,
+                waiting_in,
+            )
+        )
+    return sorted(timeline, key=lambda event: event["start_ns"])
+
+
+def _perf_counter_minus_wall_clock_ns() -> int:
+    before = time.perf_counter_ns()
+    wall = time.time_ns()
+    after = time.perf_counter_ns()
+    return (before + after) // 2 - wall
+
+
+def _timeline_event(kind, name, sequence_nr, start_ns, end_ns, thread, collective, wait_for) -> dict:
+    return {
+        "kind": kind,
+        "name": name,
+        "sequence_nr": sequence_nr,
+        "priority": 0,
+        "priority_from": None,
+        "start_ns": start_ns,
+        "end_ns": end_ns,
+        "thread": thread,
+        "backward_id": 0,
+        "collective": collective,
+        "wait_for": wait_for,
+    }
+
+
+TIMELINE_ROWS = (("stock PyTorch", "stock"), ("torch_ext", "torch_ext"))
+
+
+def _traced_timelines(model: Model, inputs) -> list[tuple[str, list[dict]]]:
+    """One traced backward of each of TIMELINE_ROWS' variants; every rank runs them (the collectives
+    need both), each tracing its own."""
+    rows = []
+    for label, variant in TIMELINE_ROWS:
+        exchange, on_torch_ext = EXCHANGES[variant]
+        model.zero_grad(set_to_none=True)
+        loss = model(*inputs, exchange)
+        dist.barrier()
+        if on_torch_ext:
+            with torch_ext.trace() as trace:
+                torch_ext.backward(loss)
+            events = [dict(event) for event in trace.events]
+        else:
+            events = stock_backward_events(loss)
+        rows.append((label, events))
+    return rows
+
+
+def _write_timelines(rows: list[tuple[str, list[dict]]], png_path: str, dense_layers: int, dim: int) -> None:
+    from torch_ext.tracing import plot_timelines
+
+    directory = os.path.dirname(png_path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    json_path = os.path.splitext(png_path)[0] + ".json"
+    with open(json_path, "w") as f:
+        json.dump([{"label": label, "events": events} for label, events in rows], f, indent=1)
+    title = f"backward of the overlap scenario on rank 0 ({dim}d all_to_all, {dense_layers} dense layers)"
+    plot_timelines(rows, png_path, title=title)
+    print(f"wrote {png_path} and {json_path}")
 
 
 def run_ranks(config: Config) -> dict:
@@ -355,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--payload-mib", type=float, help="MiB each rank sends the other (default 4; quick 2)")
     parser.add_argument("--no-netns", action="store_true", help="plain loopback, no rate-limited namespace")
     parser.add_argument("--out", default="results/overlap.csv", help="long-format CSV to write")
+    parser.add_argument("--timeline", metavar="PNG", help="draw one traced backward of stock and of torch_ext")
     parser.add_argument("--inside-netns", help=argparse.SUPPRESS)  # set when re-run inside the namespace
     args = parser.parse_args(argv)
     if args.reps is not None and args.reps < 2:
@@ -369,24 +521,28 @@ def main(argv: list[str] | None = None) -> int:
                 return subprocess.run(["ip", "netns", "exec", netns, *command], check=False).returncode
             finally:
                 delete_netns(netns)
-        print(
+        progress(
             f"overlap: no rate-limited network namespace ({why_not}); falling back to plain loopback, where "
-            "gloo's copies compete with compute for the same cores and no engine can show overlap",
-            flush=True,
+            "gloo's copies compete with compute for the same cores and no engine can show overlap"
         )
     link = f"loopback shaped to {args.inside_netns}" if args.inside_netns else "plain loopback"
 
+    timeline_png = None
+    if args.timeline is not None:
+        if hasattr(torch_ext, "trace"):
+            timeline_png = os.path.abspath(args.timeline)
+        else:
+            progress("overlap: --timeline skipped: this torch_ext has no torch_ext.trace() to record its timeline")
     config = Config(
         payload_mib=args.payload_mib or (2.0 if args.quick else 4.0),
         reps=args.reps or (8 if args.quick else 30),
         warmup=1 if args.quick else 3,
         calibration_reps=3 if args.quick else 7,
+        timeline_png=timeline_png,
     )
-    print(
+    progress(
         f"overlap: torch {torch.__version__}, {WORLD_SIZE} gloo ranks on {link}, {config.payload_mib:g} MiB "
-        f"each way, {config.reps} repetitions of {len(VARIANTS)} variants",
-        file=sys.stderr,
-        flush=True,
+        f"each way, {config.reps} repetitions of {len(VARIANTS)} variants"
     )
     report(run_ranks(config), link, args.out)
     return 0

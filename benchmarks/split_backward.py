@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from _common import Summary, csv_row, git_sha, summarize, timed_call, write_csv
+from _common import Summary, csv_row, git_sha, progress, summarize, timed_call, write_csv
 from torch import nn
 from torch.distributed.pipelining import _backward as pipelining_backward
 from torch.utils.checkpoint import checkpoint
@@ -261,6 +261,7 @@ def run_case(config: StageConfig, warmup: int, sha: str) -> list[dict[str, objec
     model, forward = make_stage(config)
     check_same_gradients(model, forward)
     samples = time_alternating(model, forward, config.reps, warmup)
+    progress(f"{config.name}: memory profile of each variant")
     memory = {variant.name: profile_memory(variant, model, forward) for variant in VARIANTS}
 
     rows = []
@@ -346,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     for config in CASES:
         reps = args.reps if args.reps is not None else (config.quick_reps if args.quick else config.reps)
         config = dataclasses.replace(config, reps=reps)
-        print(f"\n{config.name} {config.size}: {reps} repetitions of each variant", flush=True)
+        progress(f"{config.name} {config.size}: {reps} repetitions of each variant")
+        print(f"\n{config.name} {config.size}")
         rows += run_case(config, warmup, sha)
 
     write_csv(args.out, rows)

@@ -1,0 +1,281 @@
+"""`python -m torch_ext bench`: the command end to end on one benchmark, the summary of each
+benchmark's CSV, failures, and the stock timeline of benchmarks/overlap.py."""
+
+import csv
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_ext
+from torch_ext import bench
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    # The checkout under test, whatever torch_ext is installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(
+        [sys.executable, "-m", "torch_ext", *args], check=False, capture_output=True, text=True, env=env, timeout=240
+    )
+
+
+def test_help_lists_the_options():
+    result = run_cli("bench", "--help")
+    assert result.returncode == 0, result.stderr
+    for option in ("--quick", "--only", "--out"):
+        assert option in result.stdout
+    top = run_cli("--help")
+    assert top.returncode == 0 and "bench" in top.stdout
+
+
+def test_only_rejects_an_unknown_benchmark(tmp_path):
+    result = run_cli("bench", "--only", "engine_overhead,nonesuch", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "choose from engine_overhead" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_quick_engine_overhead_writes_the_results_folder(tmp_path):
+    folder = tmp_path / "results"
+    result = run_cli("bench", "--quick", "--only", "engine_overhead", "--out", str(folder))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"results in {folder}" in result.stdout
+    for name in ("engine_overhead.csv", "engine_overhead.log", "summary.csv", "summary.md", "engine_overhead.png"):
+        assert (folder / name).is_file(), name
+    # The printed table has one line per graph of engine_overhead.py.
+    for case in ("chain", "fanin", "mlp", "mlp_grad_x", "mlp_double"):
+        assert any(line.startswith(f"engine_overhead  {case} ") for line in result.stdout.splitlines()), case
+    png = (folder / "engine_overhead.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
+    with open(folder / "summary.csv") as f:
+        ratios = [float(row["value"]) for row in csv.DictReader(f) if row["metric"] == "ratio"]
+    assert len(ratios) == 5 and all(0 < ratio < 10 for ratio in ratios)
+    assert "![engine_overhead](engine_overhead.png)" in (folder / "summary.md").read_text()
+
+
+def test_default_folder_is_named_by_time_sha_and_quick():
+    name = bench.default_folder(quick=True).name
+    stamp, sha = name.split("-")[1:3]
+    assert name.startswith("bench-") and name.endswith("-quick")
+    assert time.strptime(stamp, "%Y%m%dT%H%M%SZ")
+    assert sha == "nogit" or all(c in "0123456789abcdef" for c in sha)
+    assert not bench.default_folder(quick=False).name.endswith("-quick")
+
+
+def test_benchmark_scripts_are_found():
+    directory = bench.benchmarks_dir()
+    for benchmark in bench.all_benchmarks().values():
+        assert benchmark.script.is_file()
+    assert (directory / "_common.py").is_file()
+
+
+def write_rows(path: Path, rows: list[tuple]) -> None:
+    """A benchmark's CSV, as benchmarks/_common.py writes it."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(("what", "case", "size", "metric", "median", "p20", "p80", "torch_version", "git_sha"))
+        writer.writerows(row + ("2.13.0", "abc") for row in rows)
+
+
+def test_engine_overhead_summary_from_a_csv(tmp_path):
+    write_rows(
+        tmp_path / "engine_overhead.csv",
+        [
+            ("graph", "chain", "10000", "nodes", 10002, 10002, 10002),
+            ("stock", "chain", "10000", "backward_us", 50000, 48000, 52000),
+            ("stock", "chain", "10000", "us_per_node", 5.0, 4.8, 5.2),
+            ("torch_ext", "chain", "10000", "backward_us", 35000, 34000, 36000),
+            ("torch_ext", "chain", "10000", "us_per_node", 3.5, 3.4, 3.6),
+            ("torch_ext/stock", "chain", "10000", "ratio", 0.71, 0.68, 0.74),
+        ],
+    )
+    (row,) = bench.summarize_folder(tmp_path, ["engine_overhead"])
+    assert (row.benchmark, row.case, row.variant) == ("engine_overhead", "chain", "torch_ext")
+    assert row.values == {
+        "stock_us_per_node": 5.0,
+        "torch_ext_us_per_node": 3.5,
+        "ratio": 0.7,
+        "paired_ratio_p20": 0.68,
+        "paired_ratio_p80": 0.74,
+    }
+    assert (row.baseline, row.measured, row.ratio) == ("stock 5 us/node", "3.5 us/node", "0.70")
+    assert "10002 nodes" in row.notes
+
+
+def test_overlap_and_split_backward_summaries_from_csvs(tmp_path):
+    size = "256d x 4096 rows, 2 dense layers, plain loopback"
+    write_rows(
+        tmp_path / "overlap.csv",
+        [
+            ("stock", "overlap", size, "backward_ms", 100, 90, 110),
+            ("stock", "overlap", size, "efficiency", 0.2, 0.2, 0.2),
+            ("torch_ext", "overlap", size, "backward_ms", 80, 70, 90),
+            ("torch_ext", "overlap", size, "efficiency", 0.8, 0.8, 0.8),
+            ("compute", "overlap", size, "backward_ms", 70, 60, 80),
+            ("comm", "overlap", size, "backward_ms", 50, 45, 55),
+        ],
+    )
+    stage = "6x(256->1024)/t256"
+    split = [("stock_full", "s", stage, "dI+dW_ms", 40, 39, 41), ("stock_full", "s", stage, "peak_full_mb", 2, 2, 2)]
+    for variant, d_input, d_weight, peak in (("pipelining", 22, 22, 8.5), ("torch_ext", 20, 18, 3.2)):
+        split += [
+            (variant, "s", stage, "dI+dW_ms", d_input + d_weight, 0, 0),
+            (variant, "s", stage, "dI_ms", d_input, 0, 0),
+            (variant, "s", stage, "dW_ms", d_weight, 0, 0),
+            (variant, "s", stage, "peak_dI_mb", peak - 1, 0, 0),
+            (variant, "s", stage, "peak_dW_mb", peak, 0, 0),
+            (variant, "s", stage, "held_after_dI_mb", 1.5, 0, 0),
+        ]
+    split += [
+        ("torch_ext dI / pipelining dI", "s", stage, "ratio", 0.9, 0, 0),
+        ("torch_ext dW / pipelining dW", "s", stage, "ratio", 0.8, 0, 0),
+    ]
+    write_rows(tmp_path / "split_backward.csv", split)
+
+    rows = bench.summarize_folder(tmp_path, ["overlap", "split_backward"])
+    overlap = {row.variant: row for row in rows if row.benchmark == "overlap"}
+    assert list(overlap) == ["stock", "torch_ext", "compute", "comm"]
+    assert overlap["torch_ext"].case == "plain loopback"
+    assert overlap["torch_ext"].values == {"backward_ms": 80, "efficiency": 0.8, "ratio": 0.8}
+    assert overlap["compute"].ratio == "-" and "T_compute" in overlap["compute"].notes
+
+    split_rows = {row.variant: row for row in rows if row.benchmark == "split_backward"}
+    assert split_rows["torch_ext"].values == {
+        "dI/full": 0.5,
+        "dW/full": 0.45,
+        "(dI+dW)/full": 0.95,
+        "peak_mb": 3.2,
+        "stock_full_peak_mb": 2,
+        "held_after_dI_mb": 1.5,
+        "dI/pipelining": 0.9,
+        "dW/pipelining": 0.8,
+    }
+    assert "dI/pipelining" not in split_rows["pipelining"].values
+    table = bench.format_table(rows)
+    assert len(table.splitlines()) == 1 + len(rows)
+    assert "dI 0.50, dW 0.45, dI+dW 0.95" in table
+
+
+def test_a_failing_benchmark_fails_the_run_and_says_which(tmp_path, capfd):
+    script = tmp_path / "broken.py"
+    # A real script, run as the benchmarks are (with --out and --quick), failing as a broken benchmark would.
+    script.write_text("import sys\nprint('computing')\nsys.exit('broken: the gradients differ')\n")
+    folder = tmp_path / "results"
+    benchmarks = [bench.Benchmark("broken", script)]
+    status = bench.run_all(benchmarks, folder, quick=True)
+    captured = capfd.readouterr()
+    assert status == 1
+    assert "broken FAILED (exit status 1)" in captured.err
+    assert "broken: the gradients differ" in captured.err
+    assert "broken: failed" in captured.out
+    # What there is still gets written.
+    assert (folder / "summary.md").is_file() and (folder / "broken.log").is_file()
+    assert "broken: failed" in (folder / "summary.md").read_text()
+
+
+def test_stock_backward_events_in_the_trace_format(monkeypatch):
+    monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
+    import overlap
+
+    x = torch.linspace(0.5, 1.0, 4).requires_grad_()
+    loss = (x * 2.0).sin().sum()
+    start = time.perf_counter_ns()
+    events = overlap.stock_backward_events(loss)
+    end = time.perf_counter_ns()
+
+    assert x.grad is not None
+    assert [e["kind"] for e in events] == ["backward", "node", "node", "node", "node"]
+    backward, *nodes = events
+    assert [e["name"] for e in nodes] == [
+        "SumBackward0",
+        "SinBackward0",
+        "MulBackward0",
+        "torch::autograd::AccumulateGrad",
+    ]
+    assert [e["sequence_nr"] for e in nodes[:3]] == sorted((e["sequence_nr"] for e in nodes[:3]), reverse=True)
+    assert nodes[3]["sequence_nr"] == 2**64 - 1
+    # On perf_counter_ns's clock: inside the backward call, one after the other.
+    assert start <= backward["start_ns"] <= nodes[0]["start_ns"]
+    assert nodes[-1]["end_ns"] <= backward["end_ns"] <= end
+    for earlier, later in itertools.pairwise(nodes):
+        assert earlier["start_ns"] < earlier["end_ns"] <= later["start_ns"]
+    assert set(events[0]) == {
+        "kind", "name", "sequence_nr", "priority", "priority_from", "start_ns", "end_ns", "thread", "backward_id",
+        "collective", "wait_for",
+    }  # fmt: skip
+    assert not any(e["collective"] for e in events)
+
+
+@pytest.fixture
+def single_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_stock_backward_events_mark_the_collective_and_its_wait(monkeypatch, single_rank_group):
+    monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
+    import overlap
+    import torch.distributed._functional_collectives as funcol
+
+    rows = torch.randn(8, 4, requires_grad=True)
+    exchanged = funcol.all_to_all_single_autograd(rows * 2.0, None, None, single_rank_group)
+    all_to_all_node = exchanged.grad_fn.next_functions[0][0]
+    events = overlap.stock_backward_events(torch.relu(exchanged).sum())
+
+    collective = [e for e in events if e["kind"] == "node" and e["collective"]]
+    assert [e["name"] for e in collective] == [all_to_all_node.name()]
+    assert collective[0]["sequence_nr"] == all_to_all_node._sequence_nr()
+    (wait,) = [e for e in events if e["kind"] == "collective_wait"]
+    assert wait["name"] == "_c10d_functional::wait_tensor"
+    # Stock waits inside the collective's own node.
+    assert wait["wait_for"] == all_to_all_node._sequence_nr()
+    assert collective[0]["start_ns"] <= wait["start_ns"] <= wait["end_ns"] <= collective[0]["end_ns"]
+    nodes = [e["name"] for e in events if e["kind"] == "node"]
+    assert nodes.index("ReluBackward0") < nodes.index(all_to_all_node.name()) < nodes.index("MulBackward0")
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not hasattr(torch_ext, "trace"), reason="needs torch_ext.trace() (the tracing work)")
+def test_overlap_timeline_of_stock_and_torch_ext(tmp_path):
+    png = tmp_path / "timeline.png"
+    result = subprocess.run(
+        [sys.executable, str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--reps", "2", "--no-netns"]
+        + ["--timeline", str(png), "--out", str(tmp_path / "overlap.csv")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert png.read_bytes().startswith(PNG_SIGNATURE) and png.stat().st_size > 10_000
+    rows = json.loads(png.with_suffix(".json").read_text())
+    assert [row["label"] for row in rows] == ["stock PyTorch", "torch_ext"]
+    for row in rows:
+        kinds = {event["kind"] for event in row["events"]}
+        assert {"backward", "node", "collective_wait"} <= kinds, row["label"]
+        collective = [e for e in row["events"] if e["kind"] == "node" and e["collective"]]
+        assert len(collective) == 1, row["label"]
+    # The point of the picture: stock launches the all_to_all after the dense MLP, torch_ext before it.
+    # The last AddmmBackward0 to start is the first dense layer's (the overarch's run first on both).
+    launches, last_addmms = [], []
+    for row in rows:
+        nodes = [e for e in row["events"] if e["kind"] == "node"]
+        launches.append(next(e["start_ns"] for e in nodes if e["collective"]))
+        last_addmms.append(max(e["start_ns"] for e in nodes if e["name"] == "AddmmBackward0"))
+    stock_launch, ext_launch = launches
+    stock_last_addmm, ext_last_addmm = last_addmms
+    assert stock_launch > stock_last_addmm
+    assert ext_launch < ext_last_addmm

@@ -1,0 +1,599 @@
+"""``python -m torch_ext bench``: every benchmark against stock PyTorch, one summary, one results folder.
+
+Each benchmark script (``benchmarks/<name>.py``, installed as ``torch_ext/benchmarks/``) runs as its own
+subprocess, so that the benchmarks do not share a process's warm caches, allocator state or threads,
+and so that overlap.py can re-run itself inside its rate-limited network namespace and spawn its gloo
+ranks. Each writes its long-format CSV and log into the results folder; afterwards the CSVs are read
+back and summarized in one table (printed, and written as ``summary.md`` and ``summary.csv``) and bar
+charts of the ratios to stock (PNG, matplotlib). Plots are made from the CSVs, outside the timed runs.
+
+A benchmark that exits nonzero makes the whole command exit nonzero, after the others have run and the
+summary of what there is has been written. One that exits 0 without writing its CSV (kernels.py without
+a CUDA device) is reported as skipped, with its last line as the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.resources
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Every benchmark, in the order they run: cheapest first, so a broken install fails fast.
+BENCHMARK_NAMES = ("engine_overhead", "split_backward", "overlap", "kernels")
+# Extra outputs a benchmark writes into the results folder: (option, file name).
+EXTRA_OUTPUTS = {"overlap": (("--timeline", "overlap_timeline.png"),)}
+# How often the progress display reads the running benchmark's log.
+POLL_S = 0.5
+# Without a progress bar (CI logs), a line this often while a benchmark runs, so the log never stays
+# silent for long.
+HEARTBEAT_S = 30.0
+# What a failed benchmark's message quotes from its log.
+FAILURE_LOG_LINES = 20
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    script: Path
+    # (option, file name in the results folder) pairs passed to the script.
+    extra_outputs: tuple[tuple[str, str], ...] = ()
+
+    def command(self, folder: Path, quick: bool) -> list[str]:
+        command = [sys.executable, str(self.script), "--out", str(folder / f"{self.name}.csv")]
+        if quick:
+            command.append("--quick")
+        for option, file_name in self.extra_outputs:
+            command += [option, str(folder / file_name)]
+        return command
+
+
+def benchmarks_dir() -> Path:
+    """The benchmark scripts that belong to the torch_ext being run.
+
+    In a source checkout (imported through PYTHONPATH, or installed editable) they are the checkout's
+    ``benchmarks/`` beside the package; a wheel installs them as the package ``torch_ext.benchmarks``.
+    The checkout comes first, for two reasons seen here: setuptools' editable finder maps
+    ``torch_ext.benchmarks`` to ``benchmarks/`` but cannot import it without an ``__init__.py``; and with
+    PYTHONPATH pointing at one checkout while another is installed editable, that finder would lead to
+    the other checkout's scripts.
+    """
+    package_dir = Path(__file__).resolve().parent
+    checkout = package_dir.parent / "benchmarks"
+    if (checkout / "_common.py").is_file():
+        return checkout
+    # A namespace package (the scripts have no __init__.py), whose files() is a MultiplexedPath: a file in it
+    # is a plain path.
+    return Path(str(importlib.resources.files("torch_ext.benchmarks") / "_common.py")).parent
+
+
+def all_benchmarks() -> dict[str, Benchmark]:
+    directory = benchmarks_dir()
+    return {name: Benchmark(name, directory / f"{name}.py", EXTRA_OUTPUTS.get(name, ())) for name in BENCHMARK_NAMES}
+
+
+@dataclass
+class Outcome:
+    name: str
+    returncode: int
+    seconds: float
+    log: Path
+    csv: Path
+
+    @property
+    def status(self) -> str:
+        if self.returncode != 0:
+            return "failed"
+        return "ok" if self.csv.is_file() else "skipped"
+
+    @property
+    def reason(self) -> str:
+        """Why it failed or was skipped: the last line of its log."""
+        lines = _log_lines(self.log)
+        return lines[-1] if lines else ""
+
+
+def _log_lines(path: Path) -> list[str]:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+
+# --- progress -------------------------------------------------------------------------------------
+
+
+class PlainProgress:
+    """Progress as lines (stderr is not a terminal, or tqdm is not installed)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.index = 0
+        self.last_heartbeat = 0.0
+
+    def start(self, name: str) -> None:
+        self.index += 1
+        self.last_heartbeat = 0.0
+        _progress(f"bench: [{self.index}/{self.total}] {name} ...")
+
+    def running(self, name: str, elapsed: float, last_line: str) -> None:
+        if elapsed - self.last_heartbeat >= HEARTBEAT_S:
+            self.last_heartbeat = elapsed
+            _progress(f"bench:   {name} running for {elapsed:.0f} s: {last_line}")
+
+    def finish(self, outcome: Outcome) -> None:
+        _progress(f"bench: [{self.index}/{self.total}] {outcome.name} {outcome.status} in {outcome.seconds:.1f} s")
+
+    def close(self) -> None:
+        pass
+
+
+class BarProgress:
+    """A tqdm bar over the benchmarks; the running one's name, elapsed time and latest log line."""
+
+    def __init__(self, total: int, tqdm) -> None:
+        self.bar = tqdm(
+            total=total,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            # No rate: benchmarks differ too much in length for one.
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]{postfix}",
+        )
+
+    def start(self, name: str) -> None:
+        self.bar.set_description(name)
+
+    def running(self, name: str, elapsed: float, last_line: str) -> None:
+        self.bar.set_postfix_str(f"{elapsed:.0f} s: {last_line[:60]}")
+
+    def finish(self, outcome: Outcome) -> None:
+        self.bar.write(f"bench: {outcome.name} {outcome.status} in {outcome.seconds:.1f} s", file=sys.stderr)
+        self.bar.set_postfix_str("")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def make_progress(total: int) -> PlainProgress | BarProgress:
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            return BarProgress(total, tqdm)
+    return PlainProgress(total)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- running ----------------------------------------------------------------------------------------
+
+
+def run_benchmark(benchmark: Benchmark, folder: Path, quick: bool, progress) -> Outcome:
+    """Runs one benchmark script, its stdout and stderr into ``<folder>/<name>.log``."""
+    log_path = folder / f"{benchmark.name}.log"
+    # Unbuffered, so the log shows the script's lines as they come and in the order printed.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    progress.start(benchmark.name)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(benchmark.command(folder, quick), stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            while process.poll() is None:
+                time.sleep(POLL_S)
+                lines = _log_lines(log_path)
+                progress.running(benchmark.name, time.perf_counter() - started, lines[-1] if lines else "")
+        except BaseException:
+            # Ctrl-C reached the script too (same process group); give it the time to clean up (overlap.py
+            # deletes its network namespace) before killing it.
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            raise
+    elapsed = time.perf_counter() - started
+    outcome = Outcome(benchmark.name, process.returncode, elapsed, log_path, folder / f"{benchmark.name}.csv")
+    progress.finish(outcome)
+    return outcome
+
+
+def run_all(benchmarks: Sequence[Benchmark], folder: Path, quick: bool) -> int:
+    """Runs the benchmarks, writes the summary and plots into ``folder``; 0 unless a benchmark failed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    progress = make_progress(len(benchmarks))
+    outcomes = []
+    try:
+        for benchmark in benchmarks:
+            outcomes.append(run_benchmark(benchmark, folder, quick, progress))
+    finally:
+        progress.close()
+
+    rows = summarize_folder(folder, [outcome.name for outcome in outcomes if outcome.status == "ok"])
+    table = format_table(rows)
+    print(table)
+    status_lines = [
+        f"{o.name}: {o.status} in {o.seconds:.1f} s" + (f" ({o.reason})" if o.status != "ok" else "") for o in outcomes
+    ]
+    print("\n".join(status_lines))
+    write_summary(folder, rows, outcomes, quick)
+    plots = write_plots(folder, rows)
+
+    failed = [o for o in outcomes if o.status == "failed"]
+    for outcome in failed:
+        tail = "\n".join("    " + line for line in _log_lines(outcome.log)[-FAILURE_LOG_LINES:])
+        print(
+            f"\nbench: {outcome.name} FAILED (exit status {outcome.returncode}); the end of {outcome.log}:\n{tail}",
+            file=sys.stderr,
+        )
+    if plots:
+        print(f"plots: {', '.join(path.name for path in plots)}")
+    print(f"results in {folder}")
+    return 1 if failed else 0
+
+
+# --- summary ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class SummaryRow:
+    """One line of the summary table; ``values`` are its numbers for summary.csv and the plots."""
+
+    benchmark: str
+    case: str
+    variant: str
+    baseline: str
+    measured: str
+    ratio: str
+    notes: str = ""
+    values: dict[str, float] = field(default_factory=dict)
+
+
+TABLE_HEADER = ("benchmark", "case", "variant", "baseline", "measured", "measured/baseline", "notes")
+
+
+def read_csv(path: Path) -> dict[tuple[str, str, str], dict[str, object]]:
+    """A benchmark's long-format CSV, keyed by (what, case, metric); median, p20, p80 as floats."""
+    with open(path, newline="") as f:
+        rows = {}
+        for row in csv.DictReader(f):
+            for column in ("median", "p20", "p80"):
+                row[column] = float(row[column])
+            rows[(row["what"], row["case"], row["metric"])] = row
+        return rows
+
+
+def _cases(rows: dict, metric: str | None = None) -> list[str]:
+    """Cases in the order the CSV has them."""
+    return list(dict.fromkeys(case for _, case, row_metric in rows if metric is None or row_metric == metric))
+
+
+def engine_overhead_summary(rows: dict) -> list[SummaryRow]:
+    summary = []
+    for case in _cases(rows, "us_per_node"):
+        stock = rows[("stock", case, "us_per_node")]["median"]
+        ext = rows[("torch_ext", case, "us_per_node")]["median"]
+        paired = rows[("torch_ext/stock", case, "ratio")]
+        nodes = int(rows[("graph", case, "nodes")]["median"])
+        summary.append(
+            SummaryRow(
+                "engine_overhead",
+                case,
+                "torch_ext",
+                f"stock {stock:.3g} us/node",
+                f"{ext:.3g} us/node",
+                f"{ext / stock:.2f}",
+                f"{nodes} nodes; paired ratio p20-p80 {paired['p20']:.2f}-{paired['p80']:.2f}",
+                {
+                    "stock_us_per_node": stock,
+                    "torch_ext_us_per_node": ext,
+                    "ratio": ext / stock,
+                    "paired_ratio_p20": paired["p20"],
+                    "paired_ratio_p80": paired["p80"],
+                },
+            )
+        )
+    return summary
+
+
+OVERLAP_NOTES = {"compute": "T_compute: the all_to_all replaced by a local copy", "comm": "T_comm: all_to_all alone"}
+
+
+def overlap_summary(rows: dict) -> list[SummaryRow]:
+    summary = []
+    stock = rows[("stock", "overlap", "backward_ms")]
+    # "<dim>d x <rows> rows, <n> dense layers, <link>": the link (whether anything can overlap) names the case.
+    scenario, _, case = stock["size"].rpartition(", ")
+    for (variant, _, metric), row in rows.items():
+        if metric != "backward_ms":
+            continue
+        ms = row["median"]
+        values = {"backward_ms": ms}
+        efficiency = rows.get((variant, "overlap", "efficiency"))
+        if efficiency is not None:
+            values["efficiency"] = efficiency["median"]
+            values["ratio"] = ms / stock["median"]
+            ratio = f"{values['ratio']:.2f}"
+            notes = f"overlap efficiency {efficiency['median']:.2f}"
+            if variant == "stock":
+                notes += f"; {scenario}"
+        else:
+            ratio = "-"
+            notes = OVERLAP_NOTES.get(variant, "")
+        summary.append(
+            SummaryRow(
+                "overlap", case, variant, f"stock {stock['median']:.3g} ms", f"{ms:.3g} ms", ratio, notes, values
+            )
+        )
+    return summary
+
+
+SPLIT_VARIANTS = ("pipelining", "torch_ext")
+
+
+def split_backward_summary(rows: dict) -> list[SummaryRow]:
+    summary = []
+    for case in _cases(rows, "dI+dW_ms"):
+        full = rows[("stock_full", case, "dI+dW_ms")]["median"]
+        stock_peak = rows[("stock_full", case, "peak_full_mb")]["median"]
+        for variant in SPLIT_VARIANTS:
+            d_input = rows[(variant, case, "dI_ms")]["median"]
+            d_weight = rows[(variant, case, "dW_ms")]["median"]
+            peak = max(rows[(variant, case, f"peak_{p}_mb")]["median"] for p in ("dI", "dW"))
+            values = {
+                "dI/full": d_input / full,
+                "dW/full": d_weight / full,
+                "(dI+dW)/full": (d_input + d_weight) / full,
+                "peak_mb": peak,
+                "stock_full_peak_mb": stock_peak,
+                "held_after_dI_mb": rows[(variant, case, "held_after_dI_mb")]["median"],
+            }
+            notes = f"peak {peak:.1f} MB (stock {stock_peak:.1f}), held after dI {values['held_after_dI_mb']:.1f} MB"
+            if variant == "torch_ext":
+                for pass_name in ("dI", "dW"):
+                    values[f"{pass_name}/pipelining"] = rows[
+                        (f"torch_ext {pass_name} / pipelining {pass_name}", case, "ratio")
+                    ]["median"]
+                notes += f"; vs pipelining: dI {values['dI/pipelining']:.2f}, dW {values['dW/pipelining']:.2f}"
+            summary.append(
+                SummaryRow(
+                    "split_backward",
+                    case,
+                    variant,
+                    f"stock full {full:.3g} ms",
+                    f"dI {d_input:.3g} + dW {d_weight:.3g} ms",
+                    f"dI {values['dI/full']:.2f}, dW {values['dW/full']:.2f}, dI+dW {values['(dI+dW)/full']:.2f}",
+                    notes,
+                    values,
+                )
+            )
+    return summary
+
+
+# kernels.py's variants that do what stock PyTorch code does (the others: torch_ext and its foreach reference).
+KERNEL_BASELINES = ("per_tensor", "cat", "chain")
+
+
+def kernels_summary(rows: dict) -> list[SummaryRow]:
+    summary = []
+    for case in _cases(rows, "device_us"):
+        ext = rows[("torch_ext", case, "device_us")]["median"]
+        for baseline in KERNEL_BASELINES:
+            stock = rows.get((baseline, case, "device_us"))
+            if stock is None:
+                continue
+            list_name = rows[("torch_ext", case, "device_us")]["size"]
+            summary.append(
+                SummaryRow(
+                    "kernels",
+                    f"{case} {list_name}",
+                    "torch_ext",
+                    f"{baseline} {stock['median']:.3g} us",
+                    f"{ext:.3g} us",
+                    f"{ext / stock['median']:.2f}",
+                    "device time",
+                    {"torch_ext_device_us": ext, "baseline_device_us": stock["median"], "ratio": ext / stock["median"]},
+                )
+            )
+    return summary
+
+
+SUMMARIZERS: dict[str, Callable[[dict], list[SummaryRow]]] = {
+    "engine_overhead": engine_overhead_summary,
+    "overlap": overlap_summary,
+    "split_backward": split_backward_summary,
+    "kernels": kernels_summary,
+}
+
+
+def summarize_folder(folder: Path, names: Sequence[str]) -> list[SummaryRow]:
+    rows = []
+    for name in names:
+        rows += SUMMARIZERS[name](read_csv(folder / f"{name}.csv"))
+    return rows
+
+
+def format_table(rows: Sequence[SummaryRow]) -> str:
+    lines = [TABLE_HEADER] + [(r.benchmark, r.case, r.variant, r.baseline, r.measured, r.ratio, r.notes) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(TABLE_HEADER))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def format_markdown(rows: Sequence[SummaryRow]) -> str:
+    lines = [TABLE_HEADER] + [(r.benchmark, r.case, r.variant, r.baseline, r.measured, r.ratio, r.notes) for r in rows]
+    markdown = ["| " + " | ".join(line) + " |" for line in lines]
+    markdown.insert(1, "|" + " --- |" * len(TABLE_HEADER))
+    return "\n".join(markdown)
+
+
+def write_summary(folder: Path, rows: Sequence[SummaryRow], outcomes: Sequence[Outcome], quick: bool) -> None:
+    with open(folder / "summary.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(("benchmark", "case", "variant", "metric", "value"))
+        for row in rows:
+            for metric, value in row.values.items():
+                writer.writerow((row.benchmark, row.case, row.variant, metric, value))
+    runs = "\n".join(
+        f"- {o.name}: {o.status} in {o.seconds:.1f} s" + (f" ({o.reason})" if o.status != "ok" else "")
+        for o in outcomes
+    )
+    plots = "\n".join(f"![{name}]({name}.png)" for name in PLOTS if any(r.benchmark == name for r in rows))
+    (folder / "summary.md").write_text(
+        f"# torch_ext bench{' --quick' if quick else ''}\n\n"
+        "Ratios below 1: torch_ext is faster. Medians; each benchmark's CSV and log are beside this file.\n\n"
+        f"{format_markdown(rows)}\n\n{runs}\n\n{plots}\n"
+    )
+
+
+# --- plots ------------------------------------------------------------------------------------------
+
+
+def _bar_chart(ax, labels: Sequence[str], series: dict[str, Sequence[float]], ylabel: str, line: float | None) -> None:
+    width = 0.8 / len(series)
+    for i, (name, heights) in enumerate(series.items()):
+        positions = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
+        bars = ax.bar(positions, heights, width, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    if line is not None:
+        ax.axhline(line, color="black", linewidth=0.8, linestyle="--")
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+
+
+def _plot_engine_overhead(rows: Sequence[SummaryRow], figure) -> None:
+    ax = figure.subplots()
+    _bar_chart(
+        ax, [r.case for r in rows], {"torch_ext/stock": [r.values["ratio"] for r in rows]}, "time per node / stock", 1.0
+    )
+    ax.set_title("Engine overhead: backward time per node, torch_ext / stock")
+
+
+def _plot_overlap(rows: Sequence[SummaryRow], figure) -> None:
+    collective = [r for r in rows if "efficiency" in r.values]
+    left, right = figure.subplots(1, 2)
+    labels = [r.variant for r in collective]
+    _bar_chart(left, labels, {"efficiency": [r.values["efficiency"] for r in collective]}, "overlap efficiency", 1.0)
+    left.set_title("overlap efficiency (1: all hidden)")
+    _bar_chart(right, labels, {"step / stock": [r.values["ratio"] for r in collective]}, "backward time / stock", 1.0)
+    right.set_title("backward time / stock")
+    figure.suptitle(f"Overlap of a backward all_to_all on 2 gloo ranks, {rows[0].case}")
+
+
+def _plot_split_backward(rows: Sequence[SummaryRow], figure) -> None:
+    cases = list(dict.fromkeys(r.case for r in rows))
+    axes = figure.subplots(1, len(cases), squeeze=False)[0]
+    metrics = ("dI/full", "dW/full", "(dI+dW)/full")
+    for ax, case in zip(axes, cases):
+        by_variant = {r.variant: r for r in rows if r.case == case}
+        _bar_chart(
+            ax,
+            list(metrics),
+            {v: [by_variant[v].values[m] for m in metrics] for v in by_variant},
+            "/ stock full backward",
+            1.0,
+        )
+        ax.set_title(case, fontsize=9)
+    figure.suptitle("Split backward: passes' time / stock's full backward")
+
+
+def _plot_kernels(rows: Sequence[SummaryRow], figure) -> None:
+    ax = figure.subplots()
+    labels = [f"{r.case} vs {r.baseline.split()[0]}" for r in rows]
+    _bar_chart(ax, labels, {"torch_ext/baseline": [r.values["ratio"] for r in rows]}, "device time / baseline", 1.0)
+    ax.set_title("Multi-tensor kernels: device time, torch_ext / stock's way")
+
+
+PLOTS: dict[str, Callable] = {
+    "engine_overhead": _plot_engine_overhead,
+    "overlap": _plot_overlap,
+    "split_backward": _plot_split_backward,
+    "kernels": _plot_kernels,
+}
+
+
+def write_plots(folder: Path, rows: Sequence[SummaryRow]) -> list[Path]:
+    """One PNG per benchmark with results; none (with a message) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("bench: matplotlib is not installed (pip install 'torch_ext[bench]'): no plots", file=sys.stderr)
+        return []
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    written = []
+    for name, plot in PLOTS.items():
+        selected = [r for r in rows if r.benchmark == name]
+        if not selected:
+            continue
+        figure = Figure(figsize=(8, 4.5), layout="constrained")
+        plot(selected, figure)
+        path = folder / f"{name}.png"
+        figure.savefig(path, dpi=110)
+        written.append(path)
+    return written
+
+
+# --- command line -----------------------------------------------------------------------------------
+
+
+def default_folder(quick: bool) -> Path:
+    """``results/bench-<UTC time>-<git sha or 'nogit'>[-quick]`` under the working directory."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return Path("results") / f"bench-{stamp}-{_git_sha()}{'-quick' if quick else ''}"
+
+
+def _git_sha() -> str:
+    """The short sha of the checkout torch_ext is imported from; 'nogit' when installed from a wheel."""
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "nogit"
+    return result.stdout.strip() or "nogit"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="short runs of every benchmark (CI; ~1 min here)")
+    parser.add_argument(
+        "--only",
+        metavar="NAME[,NAME]",
+        help=f"run only these benchmarks (of {', '.join(BENCHMARK_NAMES)})",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        type=Path,
+        help="results folder (default: results/bench-<UTC time>-<git sha>[-quick] in the working directory)",
+    )
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    available = all_benchmarks()
+    names = BENCHMARK_NAMES
+    if args.only:
+        names = tuple(name.strip() for name in args.only.split(",") if name.strip())
+        unknown = [name for name in names if name not in available]
+        if unknown or not names:
+            parser.error(f"--only {args.only!r}: choose from {', '.join(BENCHMARK_NAMES)}")
+    folder = args.out if args.out is not None else default_folder(args.quick)
+    return run_all([available[name] for name in names], folder, args.quick)
