@@ -271,6 +271,7 @@ def _bad_input(rank: int) -> dict:
         "group_type": lambda: xops.all_reduce(x, group=3),
         "bucket_dtypes": lambda: xops.all_reduce_coalesced([x, x.double()]),
         "bucket_empty": lambda: xops.all_reduce_coalesced([]),
+        "bucket_unsupported_dtype": lambda: xops.all_reduce_coalesced([x.double()]),
     }
     messages = {}
     for label, attempt in attempts.items():
@@ -398,6 +399,7 @@ def test_bad_input_errors(rank_results):
         "group_type": "TypeError: torch_ext.ops.all_reduce: group must be a torch.distributed.ProcessGroup",
         "bucket_dtypes": "ValueError: torch_ext.ops.all_reduce_coalesced: inputs[1] is torch.float64",
         "bucket_empty": "ValueError: torch_ext.ops.all_reduce_coalesced: inputs is empty",
+        "bucket_unsupported_dtype": "ValueError: torch_ext.ops.all_reduce_coalesced: inputs[0] is torch.float64; a bucket",
     }
     for result in rank_results:
         for label, prefix in expected.items():

@@ -248,6 +248,10 @@ def _all_reduce_coalesced_backward(ctx, grads):
 _all_reduce_coalesced.register_autograd(_all_reduce_coalesced_backward, setup_context=_all_reduce_coalesced_setup)
 
 
+# What torch_ext.kernels.pack/unpack take.
+_BUCKET_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def all_reduce_coalesced(inputs: list[Tensor], reduce_op: str = "sum", group=None) -> list[Tensor]:
     """All-reduces a bucket of tensors with one collective: packs them into one buffer, reduces it and
     returns the reduced tensors (new tensors; the inputs are not modified).
@@ -265,6 +269,11 @@ def all_reduce_coalesced(inputs: list[Tensor], reduce_op: str = "sum", group=Non
     for index, tensor in enumerate(inputs):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"torch_ext.ops.all_reduce_coalesced: inputs[{index}] is a {type(tensor).__name__}")
+        if tensor.dtype not in _BUCKET_DTYPES:
+            raise ValueError(
+                f"torch_ext.ops.all_reduce_coalesced: inputs[{index}] is {tensor.dtype}; a bucket holds "
+                "float32, float16 or bfloat16 (the dtypes torch_ext.kernels packs)"
+            )
         if (tensor.dtype, tensor.device) != (first.dtype, first.device):
             raise ValueError(
                 f"torch_ext.ops.all_reduce_coalesced: inputs[{index}] is {tensor.dtype} on {tensor.device}, "
