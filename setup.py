@@ -50,7 +50,8 @@ setup(
         # only: there are no other wheels.
         "triton": [TRITON_REQUIREMENT],
         # tests/triton/ runs the kernels on CPU through Triton's interpreter.
-        "test": ["pytest", "hypothesis", TRITON_REQUIREMENT],
+        "bench": ["matplotlib", "tqdm"],
+        "test": ["pytest", "hypothesis", TRITON_REQUIREMENT, "matplotlib", "tqdm"],
     },
     ext_modules=[
         CppExtension(

@@ -200,6 +200,23 @@ void BackwardCall::seed_ready(int32_t slot, InputBuffer&& inputs) {
 }
 
 void BackwardCall::run(Node* host_node) {
+  if (trace::enabled()) {
+    const char* label = trace_label_ != nullptr ? trace_label_
+        : options_.accumulate_grad              ? "backward"
+                                                : "grad";
+    trace_ = std::make_unique<trace::CallTrace>(label);
+    plan_.record_priority_sources = true;
+  }
+  // The call's span ends, and its events go to the recorder, however run()
+  // exits.
+  struct FinishTrace {
+    trace::CallTrace* trace;
+    ~FinishTrace() {
+      if (trace != nullptr) {
+        trace->finish();
+      }
+    }
+  } finish_trace{trace_.get()};
   current_node_slot_ = current_node_slot(host_node);
   auto* host_nodes_in_graph = const_cast<std::unordered_set<Node*>*>(
       torch::autograd::get_current_graph_task_nodes_in_graph());
