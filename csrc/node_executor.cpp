@@ -386,9 +386,17 @@ void BackwardCall::execute_node(int32_t index) {
   slot.inputs.reset();
 
   CurrentNodeGuard current_node(current_node_slot_, fn);
+  // While tracing, the node's effective priority is its profiler event's one
+  // input (torch.profiler with record_shapes=True shows it among the
+  // "Concrete Inputs").
+  c10::IValue traced_priority;
+  if (trace_ != nullptr) {
+    traced_priority = plan_.priority.empty() ? 0 : plan_.priority[index];
+  }
   RECORD_FUNCTION(
       c10::str("autograd::engine::evaluate_function: ", fn.name()),
-      c10::ArrayRef<const c10::IValue>());
+      trace_ == nullptr ? c10::ArrayRef<const c10::IValue>()
+                        : c10::ArrayRef<const c10::IValue>(traced_priority));
   const int32_t trace_event = trace_ == nullptr
       ? trace::kNoEvent
       : begin_node_event(*trace_, plan_, index);

@@ -261,18 +261,31 @@ def test_traces_do_not_nest():
     assert len(kinds(outer.events, "backward")) == 1
 
 
-def test_node_spans_appear_in_profiler_trace():
-    loss, _ = small_graph()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile, torch_ext.trace() as t:
-        torch_ext.backward(loss)
-    profiled = [
-        e.name
+def profiled_nodes(profile):
+    """(name, concrete inputs) of each node's profiler event; the driver is the host task's node."""
+    return [
+        (e.name.removeprefix(EVALUATE), e.concrete_inputs)
         for e in profile.events()
-        # The driver is the host task's node (DESIGN.md), not one of the graph's.
-        if e.name.startswith("autograd::engine::evaluate_function: ") and "BackwardDriver" not in e.name
+        if e.name.startswith(EVALUATE) and "BackwardDriver" not in e.name
     ]
-    traced = [f"autograd::engine::evaluate_function: {e['name']}" for e in kinds(t.events, "node")]
-    assert profiled == traced and len(traced) == 10
+
+
+EVALUATE = "autograd::engine::evaluate_function: "
+
+
+def test_node_spans_appear_in_profiler_trace_with_their_priority():
+    loss, lookup, _ = recsys_like()
+    torch_ext.set_priority(lookup, 4)
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, record_shapes=True) as profile, torch_ext.trace() as t:
+        torch_ext.backward(loss, retain_graph=True)
+    traced = [(e["name"], [e["priority"]]) for e in kinds(t.events, "node")]
+    assert profiled_nodes(profile) == traced and len(traced) == 16
+    assert ("ExpBackward0", [4]) in traced and ("ReluBackward0", [0]) in traced
+    # Not tracing: the events carry no input, as stock's.
+    with torch.profiler.profile(activities=cpu, record_shapes=True) as profile:
+        torch_ext.backward(loss)
+    assert [inputs for _, inputs in profiled_nodes(profile)] == [[]] * 16
 
 
 def test_chrome_trace_is_valid_json_with_spans_and_names(tmp_path):
