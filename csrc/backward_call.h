@@ -135,6 +135,9 @@ class BackwardCall {
   void publish_plan_to_host_task();
   void seed_roots();
   // Executes one ready node (node_executor.cpp).
+  // `kTraced`: record it in trace_. Two instantiations, so that a call that
+  // is not traced runs exactly the code it ran before tracing existed.
+  template <bool kTraced>
   void execute_node(int32_t slot);
   // Adds `grad` to input `input_nr` of `target`, making it ready if that was
   // its last pending edge.

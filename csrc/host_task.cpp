@@ -250,9 +250,16 @@ void BackwardCall::run(Node* host_node) {
     } else {
       seed_roots();
     }
+    // One loop for both: with a loop per variant GCC stopped inlining the
+    // queue's pop (callgrind: +10 instructions per node untraced).
+    const bool traced = trace_ != nullptr;
     while (!ready_.empty()) {
       running = ready_.pop();
-      execute_node(running);
+      if (traced) {
+        execute_node</*kTraced=*/true>(running);
+      } else {
+        execute_node</*kTraced=*/false>(running);
+      }
     }
     // Collective results no node read (dropped, or delivered to nodes that
     // do not run) still complete before backward returns.
