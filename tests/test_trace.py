@@ -253,6 +253,32 @@ def test_backward_on_another_thread_is_recorded():
         assert len(nodes) == 10 and all(e["thread"] == call["thread"] for e in nodes)
 
 
+class BackwardInside(torch.autograd.Function):
+    """Its backward runs a torch_ext backward of its own (as a reentrant checkpoint does)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.enable_grad():
+            torch_ext.backward(small_graph()[0])
+        return grad
+
+
+def test_backward_inside_a_node_is_its_own_call_inside_that_node():
+    x = torch.ones(3, requires_grad=True)
+    with torch_ext.trace() as t:
+        torch_ext.backward(BackwardInside.apply(x).sum())
+    outer, inner = kinds(t.events, "backward")
+    node = by_name(t.events, "BackwardInsideBackward")
+    assert node["backward_id"] == outer["backward_id"] != inner["backward_id"]
+    assert node["start_ns"] <= inner["start_ns"] <= inner["end_ns"] <= node["end_ns"]
+    assert len([e for e in t.events if e["backward_id"] == inner["backward_id"]]) == 11
+    assert torch.equal(x.grad, torch.ones(3))
+
+
 def test_traces_do_not_nest():
     with torch_ext.trace() as outer:
         with pytest.raises(RuntimeError, match="already active"), torch_ext.trace():

@@ -52,8 +52,12 @@ def _coalesced(rank: int) -> dict:
     leaves = [_leaf(rank, 3, 2, salt=i) for i in range(2)]
     outs = xops.all_reduce_coalesced([leaf * (i + 2.0) for i, leaf in enumerate(leaves)])
     with torch_ext.trace() as t:
-        torch_ext.backward(sum(out.sum() for out in outs))
-    return {"events": t.events}
+        torch_ext.backward(sum(out.sum() for out in outs), retain_graph=True)
+    # grad() of the first leaf only: the second piece goes to a node that does not run, so the
+    # engine waits on it when the call ends.
+    with torch_ext.trace() as partial:
+        torch_ext.grad(sum(out.sum() for out in outs), [leaves[0]])
+    return {"events": t.events, "partial_events": partial.events}
 
 
 def _run_everything(rank: int) -> dict:
@@ -119,3 +123,18 @@ def test_coalesced_bucket_waits_all_point_at_its_launch(rank_results):
         assert sorted(wait["name"] for wait in waits) == ["MulBackward0", "MulBackward0"]
         assert all(wait["wait_for"] == launches[0]["id"] for wait in waits)
         assert all(launches[0]["end_ns"] <= wait["start_ns"] for wait in waits)
+
+
+def test_result_no_node_reads_is_waited_on_at_the_end(rank_results):
+    for result in rank_results:
+        events = result["coalesced"]["partial_events"]
+        (launch,), waits = _launches_and_waits(events)
+        (call,) = [e for e in events if e["kind"] == "backward"]
+        assert call["name"] == "grad"
+        assert [(w["name"], w["sequence_nr"]) for w in waits] == [
+            ("MulBackward0", waits[0]["sequence_nr"]),
+            ("end of backward", -1),
+        ]
+        assert all(w["wait_for"] == launch["id"] for w in waits)
+        last_node_end = max(e["end_ns"] for e in events if e["kind"] == "node")
+        assert last_node_end <= waits[1]["start_ns"] <= waits[1]["end_ns"] <= call["end_ns"]
