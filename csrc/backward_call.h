@@ -7,11 +7,13 @@
 
 #include "graph_plan.h"
 #include "scheduler.h"
+#include "trace.h"
 
 #include <c10/core/AutogradState.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_set>
@@ -79,8 +81,10 @@ class BackwardCall {
   BackwardCall& operator=(const BackwardCall&) = delete;
 
   // Makes this call one pass of split backward; `pass` outlives the call.
-  void set_split_pass(SplitPass* pass) {
+  // `trace_label` names the pass's span in a trace.
+  void set_split_pass(SplitPass* pass, const char* trace_label) {
     split_ = pass;
+    trace_label_ = trace_label;
   }
 
   // Discovers the graph and runs every node that must run, on the calling
@@ -131,6 +135,9 @@ class BackwardCall {
   void publish_plan_to_host_task();
   void seed_roots();
   // Executes one ready node (node_executor.cpp).
+  // `kTraced`: record it in trace_. Two instantiations, so that a call that
+  // is not traced runs exactly the code it ran before tracing existed.
+  template <bool kTraced>
   void execute_node(int32_t slot);
   // Adds `grad` to input `input_nr` of `target`, making it ready if that was
   // its last pending edge.
@@ -147,6 +154,14 @@ class BackwardCall {
   void wait_pending(int32_t slot);
   // Error path: waits on everything still in flight, keeping the first error.
   void wait_pending_after_error() noexcept;
+
+  struct PendingWait;
+  // Waits on a pending result, recording the wait while tracing: `consumer`
+  // is the slot that reads it, or kNoSlot (the end of the call, or `why`).
+  void wait_traced(
+      const PendingWait& pending,
+      int32_t consumer,
+      const char* why);
 
   edge_list roots_;
   variable_list root_grads_;
@@ -173,6 +188,8 @@ class BackwardCall {
   struct PendingWait {
     at::Tensor result;
     int32_t slot = kNoSlot;
+    // While tracing: the event of the node that launched it.
+    int32_t launch_event = trace::kNoEvent;
   };
   std::vector<PendingWait> pending_waits_;
   Node* failed_node_ = nullptr;
@@ -181,6 +198,13 @@ class BackwardCall {
   c10::intrusive_ptr<Node>* current_node_slot_ = nullptr;
   // Set for the passes of split backward only.
   SplitPass* split_ = nullptr;
+  // What the call's span is called in a trace.
+  const char* trace_label_ = nullptr;
+  // Non-null only while tracing was on when the call started: the executor's
+  // hooks test this pointer and do nothing else when tracing is off.
+  std::unique_ptr<trace::CallTrace> trace_;
+  // While tracing: the event of the node running now (its launches).
+  int32_t running_node_event_ = trace::kNoEvent;
 };
 
 // Runs `call` inside one stock graph task (host_task.cpp). `filtered`: only a

@@ -184,11 +184,37 @@ void assign_priorities(GraphPlan& plan, const CallPriorities& priorities) {
   constexpr int64_t kNothing = std::numeric_limits<int64_t>::min();
   // below[s]: the highest propagating priority among the nodes s leads to.
   std::vector<int64_t> below(num_slots, kNothing);
+  // Tracing only: the node below[s] came from, and how it got its own.
+  const bool record_sources = plan.record_priority_sources;
+  auto own_source = [&](int32_t slot) {
+    if (!own[slot].has_value()) {
+      return trace::PriorityFrom::kDefault;
+    }
+    Node* fn = plan.slots[slot].fn;
+    if (priorities.is_call_override(fn)) {
+      return trace::PriorityFrom::kCallOverride;
+    }
+    return priorities.lookup(fn).has_value()
+        ? trace::PriorityFrom::kSetPriority
+        : trace::PriorityFrom::kAutoCollective;
+  };
+  std::vector<PrioritySource> below_source(record_sources ? num_slots : 0);
   auto propagated_from = [&](int32_t slot) {
     const auto& mine = own[slot];
     const int64_t from_self =
         mine.has_value() && mine->propagate ? mine->priority : kNothing;
     return std::max(from_self, below[slot]);
+  };
+  // Where propagated_from(slot) comes from.
+  auto propagated_source = [&](int32_t slot) {
+    const auto& mine = own[slot];
+    if (mine.has_value() && mine->propagate && mine->priority >= below[slot]) {
+      return PrioritySource{
+          trace::PriorityFrom::kPropagated,
+          own_source(slot),
+          plan.slots[slot].fn};
+    }
+    return below_source[slot];
   };
   auto num_edges = [&](int32_t slot) -> size_t {
     const NodeSlot& node = plan.slots[slot];
@@ -217,9 +243,14 @@ void assign_priorities(GraphPlan& plan, const CallPriorities& priorities) {
       }
       for (size_t i = 0; i < num_edges(slot); ++i) {
         const int32_t child = plan.target_of(slot, i);
-        if (child != kNoSlot) {
-          below[slot] = std::max(below[slot], propagated_from(child));
+        if (child == kNoSlot) {
+          continue;
         }
+        const int64_t from_child = propagated_from(child);
+        if (record_sources && from_child > below[slot]) {
+          below_source[slot] = propagated_source(child);
+        }
+        below[slot] = std::max(below[slot], from_child);
       }
       stack.pop_back();
     }
@@ -229,6 +260,17 @@ void assign_priorities(GraphPlan& plan, const CallPriorities& priorities) {
   for (size_t i = 0; i < num_slots; ++i) {
     const int64_t base = own[i].has_value() ? own[i]->priority : 0;
     plan.priority[i] = std::max(base, below[i]);
+  }
+  if (record_sources) {
+    plan.priority_sources.resize(num_slots);
+    for (size_t i = 0; i < num_slots; ++i) {
+      const int64_t base = own[i].has_value() ? own[i]->priority : 0;
+      if (below[i] > base) {
+        plan.priority_sources[i] = below_source[i];
+      } else {
+        plan.priority_sources[i].from = own_source(static_cast<int32_t>(i));
+      }
+    }
   }
 }
 

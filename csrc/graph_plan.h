@@ -11,6 +11,7 @@
 // of its instructions on a chain of tiny ops; see node_executor.cpp.)
 
 #include "priority_table.h"
+#include "trace.h"
 
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
@@ -67,6 +68,15 @@ struct NodeSlot {
   }
 };
 
+// Where a slot's effective priority came from, for tracing: how it got it,
+// and for a propagated priority the node it came from and how that node got
+// its own.
+struct PrioritySource {
+  trace::PriorityFrom from = trace::PriorityFrom::kDefault;
+  trace::PriorityFrom origin_from = trace::PriorityFrom::kDefault;
+  Node* origin = nullptr;
+};
+
 // A gradient to hand back to the caller of grad(): input `input_nr` of the
 // node it belongs to goes to result position `output_index`.
 struct Capture {
@@ -88,6 +98,10 @@ struct GraphPlan {
   // Each slot's effective priority (its own, or the highest propagated to it
   // from a node it leads to); empty when no priority applies to the call.
   std::vector<int64_t> priority;
+  // Set before discovery while tracing: discovery then also fills
+  // priority_sources (parallel to priority), which costs a second vector.
+  bool record_priority_sources = false;
+  std::vector<PrioritySource> priority_sources;
   // Whether any slot is `collective`.
   bool has_collectives = false;
   // Node -> slot, used while discovering. Open addressing: std::unordered_map

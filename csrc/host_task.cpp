@@ -200,6 +200,23 @@ void BackwardCall::seed_ready(int32_t slot, InputBuffer&& inputs) {
 }
 
 void BackwardCall::run(Node* host_node) {
+  if (trace::enabled()) {
+    const char* label = trace_label_ != nullptr ? trace_label_
+        : options_.accumulate_grad              ? "backward"
+                                                : "grad";
+    trace_ = std::make_unique<trace::CallTrace>(label);
+    plan_.record_priority_sources = true;
+  }
+  // The call's span ends, and its events go to the recorder, however run()
+  // exits.
+  struct FinishTrace {
+    trace::CallTrace* trace;
+    ~FinishTrace() {
+      if (trace != nullptr) {
+        trace->finish();
+      }
+    }
+  } finish_trace{trace_.get()};
   current_node_slot_ = current_node_slot(host_node);
   auto* host_nodes_in_graph = const_cast<std::unordered_set<Node*>*>(
       torch::autograd::get_current_graph_task_nodes_in_graph());
@@ -233,9 +250,16 @@ void BackwardCall::run(Node* host_node) {
     } else {
       seed_roots();
     }
+    // One loop for both: with a loop per variant GCC stopped inlining the
+    // queue's pop (callgrind: +10 instructions per node untraced).
+    const bool traced = trace_ != nullptr;
     while (!ready_.empty()) {
       running = ready_.pop();
-      execute_node(running);
+      if (traced) {
+        execute_node</*kTraced=*/true>(running);
+      } else {
+        execute_node</*kTraced=*/false>(running);
+      }
     }
     // Collective results no node read (dropped, or delivered to nodes that
     // do not run) still complete before backward returns.

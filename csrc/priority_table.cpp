@@ -4,6 +4,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -81,6 +82,7 @@ CallPriorities::CallPriorities(std::vector<PriorityOverride> overrides) {
   // In order, so later overrides of the same node win, as in a dict.
   for (auto& override_ : overrides) {
     by_node_[override_.node.get()] = override_.priority;
+    overridden_.push_back(override_.node.get());
     keep_alive_.push_back(std::move(override_.node));
   }
 }
@@ -91,6 +93,11 @@ std::optional<NodePriority> CallPriorities::lookup(Node* node) const {
     return std::nullopt;
   }
   return it->second;
+}
+
+bool CallPriorities::is_call_override(Node* node) const {
+  return std::find(overridden_.begin(), overridden_.end(), node) !=
+      overridden_.end();
 }
 
 } // namespace torch_ext

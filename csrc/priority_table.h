@@ -51,9 +51,13 @@ class CallPriorities {
   }
 
   std::optional<NodePriority> lookup(torch::autograd::Node* node) const;
+  // Whether the node's priority is the call's own (an override), for tracing.
+  bool is_call_override(torch::autograd::Node* node) const;
 
  private:
   ska::flat_hash_map<torch::autograd::Node*, NodePriority> by_node_;
+  // The nodes the call's overrides name: a handful.
+  std::vector<torch::autograd::Node*> overridden_;
   // The nodes in by_node_, alive for the call: a node that died during it
   // could otherwise hand its address, and its priority, to a node that
   // backward creates (create_graph).

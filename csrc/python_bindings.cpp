@@ -8,6 +8,7 @@
 #include "collective_nodes.h"
 #include "engine_api.h"
 #include "python_split.h"
+#include "trace.h"
 
 #include <ATen/LegacyBatchedTensorImpl.h>
 #include <ATen/LegacyVmapMode.h>
@@ -18,6 +19,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/utils/python_strings.h>
 
 namespace torch_ext {
 namespace {
@@ -293,6 +295,79 @@ PyObject* py_get_priority(PyObject* /*module*/, PyObject* node) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* py_trace_start(PyObject* /*module*/, PyObject* /*unused*/) {
+  HANDLE_TH_ERRORS
+  trace::start();
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_trace_stop(PyObject* /*module*/, PyObject* /*unused*/) {
+  HANDLE_TH_ERRORS
+  trace::stop();
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// One event as a tuple (torch_ext/tracing.py names the fields).
+PyObject* traced_event_tuple(const trace::Event& event) {
+  return Py_BuildValue(
+      "(iNLLiiNLLLOi)",
+      static_cast<int>(event.kind),
+      THPUtils_packString(event.name),
+      static_cast<long long>(event.sequence_nr),
+      static_cast<long long>(event.priority),
+      static_cast<int>(event.priority_from),
+      static_cast<int>(event.origin_from),
+      THPUtils_packString(event.origin_name),
+      static_cast<long long>(event.origin_sequence_nr),
+      static_cast<long long>(event.start_ns),
+      static_cast<long long>(event.end_ns),
+      event.collective ? Py_True : Py_False,
+      static_cast<int>(event.wait_for));
+}
+
+PyObject* py_trace_take(PyObject* /*module*/, PyObject* /*unused*/) {
+  HANDLE_TH_ERRORS
+  const std::vector<trace::CallEvents> calls = trace::take();
+  THPObjectPtr result{PyList_New(static_cast<Py_ssize_t>(calls.size()))};
+  if (!result) {
+    throw python_error();
+  }
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const auto& call = calls[c];
+    THPObjectPtr events{
+        PyList_New(static_cast<Py_ssize_t>(call.events.size()))};
+    if (!events) {
+      throw python_error();
+    }
+    for (size_t e = 0; e < call.events.size(); ++e) {
+      PyObject* event = traced_event_tuple(call.events[e]);
+      if (event == nullptr) {
+        throw python_error();
+      }
+      PyList_SET_ITEM(events.get(), static_cast<Py_ssize_t>(e), event);
+    }
+    PyObject* item = Py_BuildValue(
+        "(KLN)",
+        static_cast<unsigned long long>(call.backward_id),
+        static_cast<long long>(call.thread),
+        events.release());
+    if (item == nullptr) {
+      throw python_error();
+    }
+    PyList_SET_ITEM(result.get(), static_cast<Py_ssize_t>(c), item);
+  }
+  return result.release();
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_trace_clock_ns(PyObject* /*module*/, PyObject* /*unused*/) {
+  HANDLE_TH_ERRORS
+  return PyLong_FromLongLong(trace::clock_ns());
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* py_defer_wait(PyObject* /*module*/, PyObject* tensor) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(
@@ -363,6 +438,21 @@ PyMethodDef methods[] = {
      py_get_priority,
      METH_O,
      "get_priority(node) -> (priority, propagate) or None."},
+    {"trace_start",
+     py_trace_start,
+     METH_NOARGS,
+     "trace_start(): start recording every backward call (raises if a trace "
+     "is already active)."},
+    {"trace_stop", py_trace_stop, METH_NOARGS, "trace_stop(): stop recording."},
+    {"trace_take",
+     py_trace_take,
+     METH_NOARGS,
+     "trace_take() -> [(backward_id, thread, [event tuple, ...]), ...]: the "
+     "calls recorded in the last trace (see torch_ext/tracing.py)."},
+    {"trace_clock_ns",
+     py_trace_clock_ns,
+     METH_NOARGS,
+     "trace_clock_ns() -> int: the trace's clock (CLOCK_MONOTONIC), in ns."},
     {"defer_wait",
      py_defer_wait,
      METH_O,

@@ -378,6 +378,11 @@ class InputPass final : public SplitPass {
         weight_plan.priority.push_back(plan.priority[s]);
       }
     }
+    if (!plan.priority_sources.empty()) {
+      for (const int32_t s : original_slot) {
+        weight_plan.priority_sources.push_back(plan.priority_sources[s]);
+      }
+    }
     weight_plan.filtered = true;
 
     for (size_t i = 0; i < roots_.size(); ++i) {
@@ -541,7 +546,7 @@ InputPassResult backward_input(
        /*create_graph=*/false,
        /*accumulate_grad=*/false},
       {});
-  call.set_split_pass(&pass);
+  call.set_split_pass(&pass, "backward_input");
   // The host task retains the graph: frontier nodes keep their saved
   // variables whatever the caller asked, and nodes that read the host's
   // keep_graph (AOTAutograd's compiled backward frees saved tensors on use
@@ -573,7 +578,7 @@ variable_list backward_weight(SplitState& state, bool keep_graph) {
          /*create_graph=*/false,
          /*accumulate_grad=*/true},
         {});
-    call.set_split_pass(&pass);
+    call.set_split_pass(&pass, "backward_weight");
     try {
       run_in_host_task(call, keep_graph, /*filtered=*/true);
     } catch (...) {

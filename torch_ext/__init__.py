@@ -21,11 +21,13 @@ from torch_ext.split import (
     set_weight_accumulation_batching,
     weight_accumulation_batching,
 )
+from torch_ext.tracing import Trace, trace
 
 __all__ = [
     "LAUNCH_FIRST",
     "Engine",
     "SplitState",
+    "Trace",
     "auto_collective_priority",
     "backward",
     "backward_input",
@@ -43,6 +45,7 @@ __all__ = [
     "set_auto_collective_priority",
     "set_priority",
     "set_weight_accumulation_batching",
+    "trace",
     "weight_accumulation_batching",
 ]
 
