@@ -262,7 +262,9 @@ void BackwardCall::run(Node* host_node) {
       }
     }
     // Collective results no node read (dropped, or delivered to nodes that
-    // do not run) still complete before backward returns.
+    // do not run) still complete before backward returns. A failure here is
+    // no node's.
+    running = kNoSlot;
     wait_pending(kNoSlot);
   } catch (...) {
     if (running != kNoSlot) {

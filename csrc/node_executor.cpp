@@ -278,6 +278,11 @@ bool BackwardCall::defer_wait_to_first_use(const at::Tensor& result) {
       !running->node->post_hooks().empty()) {
     return false;
   }
+  // Anomaly mode checks a node's outputs for NaN as soon as it returns, and
+  // a result still in flight cannot be read.
+  if (AnomalyMode::is_enabled() && AnomalyMode::should_check_nan()) {
+    return false;
+  }
   BackwardCall& call = *running->call;
   const int32_t launch_event = call.running_node_event_;
   if (call.trace_ != nullptr && launch_event != trace::kNoEvent) {
@@ -314,8 +319,16 @@ void BackwardCall::wait_pending(int32_t slot) {
   if (slot != kNoSlot) {
     plan_.slots[slot].has_pending_wait = false;
   }
-  for (const auto& pending : ready) {
-    wait_traced(pending, slot, "end of backward");
+  for (size_t i = 0; i < ready.size(); ++i) {
+    try {
+      wait_traced(ready[i], slot, "end of backward");
+    } catch (...) {
+      // The rest go back, for wait_pending_after_error to complete.
+      for (size_t rest = i + 1; rest < ready.size(); ++rest) {
+        pending_waits_.push_back(std::move(ready[rest]));
+      }
+      throw;
+    }
   }
 }
 

@@ -11,6 +11,9 @@ collectives register each launched work there until ``wait_tensor`` takes it out
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -283,12 +286,44 @@ def _bad_input(rank: int) -> dict:
     return messages
 
 
+def _anomaly_nan(rank: int) -> dict:
+    """Anomaly mode's NaN check reads a collective node's outputs as soon as it returns: the engine must
+    not leave them in flight then. Rank 1 launches its half of the backward all_to_all late (a tensor
+    hook sleeps) and sends rank 0 a NaN; stock names the all_to_all's node on rank 0, and so must
+    torch_ext."""
+    messages = {}
+    for engine in ("stock", "torch_ext"):
+        x = _leaf(rank, 2, 3)
+        y = xops.all_to_all_single(x)
+        if rank == 1:
+
+            def late_nan(grad):
+                time.sleep(0.5)
+                grad = grad.clone()
+                grad[0, 0] = float("nan")
+                return grad
+
+            y.register_hook(late_nan)
+        loss = (y * 2).sum()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # anomaly mode's own "enabled" warning
+                with torch.autograd.detect_anomaly(check_nan=True):
+                    _backward(loss, engine)
+            messages[engine] = None
+        except RuntimeError as error:
+            messages[engine] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    messages["in_flight_after"] = in_flight()
+    return messages
+
+
 def _run_everything(rank: int) -> dict:
     return {
         "values": _values(rank),
         "coalesced": _coalesced(rank),
         "scheduling": _scheduling(rank),
         "error": _error_with_collective_in_flight(rank),
+        "anomaly_nan": _anomaly_nan(rank),
         "opcheck": _opchecks(rank),
         "compiled": _compiled(rank),
         "bad_input": _bad_input(rank),
@@ -411,3 +446,13 @@ def test_no_process_group_is_a_clear_error():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"torch_ext.ops.all_to_all_single: no process group"):
         xops.all_to_all_single(torch.ones(2, 2))
+
+
+def test_anomaly_mode_finds_nan_in_a_collective_gradient_as_on_stock(rank_results):
+    for rank, result in enumerate(rank_results):
+        messages = result["anomaly_nan"]
+        assert messages["torch_ext"] == messages["stock"], f"rank {rank}: {messages}"
+        assert messages["in_flight_after"] == 0
+    # Rank 0 received the NaN: stock's message names the collective's node.
+    assert "all_to_all_single" in rank_results[0]["anomaly_nan"]["stock"]
+    assert "returned nan values" in rank_results[0]["anomaly_nan"]["stock"]
