@@ -230,6 +230,8 @@ def run_all(benchmarks: Sequence[Benchmark], folder: Path, quick: bool) -> int:
     print("\n".join(status_lines))
     write_summary(folder, rows, outcomes, quick)
     plots = write_plots(folder, rows)
+    # The benchmarks' own pictures (the overlap timelines), where they wrote them.
+    plots += [folder / name for options in EXTRA_OUTPUTS.values() for _, name in options if (folder / name).exists()]
 
     failed = [o for o in outcomes if o.status == "failed"]
     for outcome in failed:
