@@ -8,17 +8,26 @@
 
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_metadata.h>
 
 #include <sstream>
 
 namespace torch_ext {
 
-// A node of D with a next edge into W, as the dI pass left it. Exactly one of
-// `inputs` and `outputs` is set once the dI pass has run it.
+using torch::autograd::GraphTask;
+
+// A node the dW pass starts from, as the dI pass left it: a node of D with a
+// next edge into W, or a node of W that the dI pass captured at (an input
+// upstream of a weight). Exactly one of `inputs` and `outputs` is set once the
+// dI pass has run (or captured at) it.
 struct FrontierNode {
   // Its slot in SplitState::weight_plan.
   int32_t slot = kNoSlot;
+  // A captured node of W: every edge into it comes from D (a node leading to
+  // it leads to an input), so its gradients were complete in dI and its edges
+  // in are cut from the weight plan. Its hooks before apply() ran in dI.
+  bool captured_in_weight_subgraph = false;
   // The gradients it received, after its pre-hooks: the dW pass runs its
   // apply() on them again, for the edges into W.
   std::optional<variable_list> inputs;
@@ -85,6 +94,15 @@ class NarrowedNeedsInputGrad {
   Node& fn_;
   void* token_;
 };
+
+// Stock's call_pre_hooks: the node pre-hooks, which run after the tensor
+// pre-hooks and retains_grad hooks (NOTE [Hooks ordering]).
+variable_list call_node_pre_hooks(Node& fn, variable_list inputs) {
+  for (const auto& hook : fn.pre_hooks()) {
+    inputs = (*hook)(inputs);
+  }
+  return inputs;
+}
 
 // Hooks -> apply -> hooks, then releases the saved variables unless the
 // graph is kept: a node run in one pass only.
@@ -234,13 +252,9 @@ class InputPass final : public SplitPass {
       // and the weight pass will not run it again.
       variable_list kept(outputs.size());
       for (size_t i = 0; i < outputs.size(); ++i) {
-        if (!is_weight_side_edge(slot, i)) {
-          continue;
-        }
-        if (plan_->slots[plan_->target_of(slot, i)].should_execute()) {
-          // Also captured now (an input upstream of a weight).
-          kept[i] = outputs[i];
-        } else {
+        // An edge into a captured node of W delivers now (see FrontierNode).
+        if (is_weight_side_edge(slot, i) &&
+            !plan_->slots[plan_->target_of(slot, i)].should_execute()) {
           kept[i] = std::move(outputs[i]);
         }
       }
@@ -259,6 +273,19 @@ class InputPass final : public SplitPass {
       }
     }
     return outputs;
+  }
+
+  void on_captured_only(int32_t slot, variable_list&& hooked) override {
+    const int32_t frontier_index = frontier_index_[slot];
+    if (frontier_index == kNoSlot) {
+      return;
+    }
+    // A captured node of W: its tensor pre-hooks and retains_grad hooks ran
+    // on these gradients, for the capture; its node pre-hooks run now, like
+    // a frontier node's, and the weight pass runs only its apply(), so every
+    // hook runs once across the passes.
+    state_.frontier[frontier_index].inputs =
+        call_node_pre_hooks(*plan_->slots[slot].fn, std::move(hooked));
   }
 
  private:
@@ -290,7 +317,8 @@ class InputPass final : public SplitPass {
   }
 
   // D: the slots the plan runs (`needed`). W: the others that lead to a
-  // weight. Frontier: slots of D with an edge into W.
+  // weight. Frontier: slots of D with an edge into W, and slots of W that
+  // capture (FrontierNode::captured_in_weight_subgraph).
   void classify(const GraphPlan& plan) {
     std::vector<int32_t> weight_slots;
     for (const auto& weight : weights_) {
@@ -308,6 +336,11 @@ class InputPass final : public SplitPass {
     frontier_index_.assign(num_slots, kNoSlot);
     for (size_t s = 0; s < num_slots; ++s) {
       const NodeSlot& node = plan.slots[s];
+      if (is_captured_weight_side(plan, static_cast<int32_t>(s))) {
+        frontier_index_[s] = static_cast<int32_t>(state_.frontier.size());
+        state_.frontier.emplace_back().captured_in_weight_subgraph = true;
+        continue;
+      }
       if (!node.needed || !node.expanded) {
         continue;
       }
@@ -319,8 +352,14 @@ class InputPass final : public SplitPass {
         }
       }
     }
-    single_root_on_weight_side_ =
-        roots_.size() == 1 && weight_side_[plan.root_targets[0]];
+    // A captured root target receives its gradient in this pass.
+    single_root_on_weight_side_ = roots_.size() == 1 &&
+        weight_side_[plan.root_targets[0]] &&
+        !is_captured_weight_side(plan, plan.root_targets[0]);
+  }
+
+  bool is_captured_weight_side(const GraphPlan& plan, int32_t slot) const {
+    return weight_side_[slot] && plan.slots[slot].first_capture != kNoSlot;
   }
 
   bool is_weight_side_edge_of(const GraphPlan& plan, int32_t slot, size_t edge)
@@ -369,8 +408,10 @@ class InputPass final : public SplitPass {
       for (size_t i = 0; i < num_edges; ++i) {
         const int32_t target = plan.target_of(s, i);
         weight_plan.edge_targets.push_back(
-            target != kNoSlot && weight_side_[target] ? weight_plan_slot[target]
-                                                      : kNoSlot);
+            target != kNoSlot && weight_side_[target] &&
+                    !is_captured_weight_side(plan, target)
+                ? weight_plan_slot[target]
+                : kNoSlot);
       }
     }
     if (!plan.priority.empty()) {
@@ -382,7 +423,7 @@ class InputPass final : public SplitPass {
 
     for (size_t i = 0; i < roots_.size(); ++i) {
       const int32_t target = plan.root_targets[i];
-      if (!weight_side_[target]) {
+      if (!weight_side_[target] || is_captured_weight_side(plan, target)) {
         continue;
       }
       if (single_root_on_weight_side_) {
@@ -436,6 +477,20 @@ class WeightPass final : public SplitPass {
   }
 
   void seed(BackwardCall& call) override {
+    // Frontier nodes recompute only the gradients the weight plan delivers:
+    // a captured node of W got its gradients in the input pass, so it leaves
+    // the host's exec_info (task_should_compute_output) now that the plan is
+    // published. It still runs; only _will_engine_execute_node on it would
+    // tell otherwise, and its tensor hooks (where multi-grad hooks ask) ran
+    // in the input pass.
+    auto* exec_info =
+        const_cast<std::unordered_map<Node*, GraphTask::ExecInfo>*>(
+            torch::autograd::get_current_graph_task_exec_info());
+    for (const auto& frontier : state_.frontier) {
+      if (frontier.captured_in_weight_subgraph) {
+        exec_info->erase(state_.nodes[frontier.slot].get());
+      }
+    }
     // Root gradients first, as a full backward delivers them before any node
     // runs; then the frontier nodes become ready and run in the scheduler's
     // order (sequence_nr), which is their order in a full backward, so every

@@ -186,6 +186,18 @@ def output_without_inputs() -> Callable[[], Microbatch]:
     return microbatch
 
 
+def input_upstream_of_a_weight() -> Callable[[], Microbatch]:
+    """The stage input's own node leads to a weight: the input pass captures at it, the weight pass
+    runs it. (Not in CASES: a non-leaf input has no .grad to compare with a full backward's.)"""
+    lin0, lin1 = nn.Linear(5, 5), nn.Linear(5, 5)
+
+    def microbatch() -> Microbatch:
+        h = lin0(torch.randn(3, 5, requires_grad=True))
+        return _with_random_grads((F.gelu(lin1(h)),), [h], [*lin0.parameters(), *lin1.parameters()])
+
+    return microbatch
+
+
 def first_stage() -> Callable[[], Microbatch]:
     """No input needs a gradient: the input pass runs nothing and the weight pass everything."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -343,7 +355,11 @@ def weight_gradient_shapes(weights: list[torch.Tensor]) -> set[tuple[int, ...]]:
     return {tuple(w.shape) for w in weights if w.dim() == 2} | {tuple(w.t().shape) for w in weights if w.dim() == 2}
 
 
-@pytest.mark.parametrize("case", [mlp, transformer_block, custom_functions], ids=["mlp", "transformer", "custom"])
+@pytest.mark.parametrize(
+    "case",
+    [mlp, transformer_block, custom_functions, input_upstream_of_a_weight],
+    ids=["mlp", "transformer", "custom", "input_upstream_of_a_weight"],
+)
 def test_passes_split_the_matmuls(case: Case) -> None:
     torch.manual_seed(SEED)
     mb = case()()
@@ -566,3 +582,47 @@ def test_input_grad_of_an_input_upstream_of_a_weight() -> None:
         return [dh] + [w.grad for w in weights]
 
     assert_same(run(split=True), run(split=False), "gradient")
+
+
+def test_hooks_of_an_input_upstream_of_a_weight_run_once() -> None:
+    """The input's node is captured at in the input pass (tensor hooks, retain_grad) and run in the
+    weight pass (apply): each of its hooks runs once, as in one full backward."""
+
+    def run(how: str):
+        torch.manual_seed(SEED)
+        lin0, lin1 = nn.Linear(5, 5), nn.Linear(5, 5)
+        a = torch.randn(3, 5, requires_grad=True)
+        h = lin0(a)
+        h.retain_grad()
+        calls = {"tensor hook": 0, "node pre-hook": 0, "node post-hook": 0}
+
+        def tensor_hook(grad):
+            calls["tensor hook"] += 1
+            return grad * 2  # what the weight pass must see, once
+
+        h.register_hook(tensor_hook)
+        h.grad_fn.register_prehook(lambda grads: calls.__setitem__("node pre-hook", calls["node pre-hook"] + 1))
+        h.grad_fn.register_hook(lambda gi, go: calls.__setitem__("node post-hook", calls["node post-hook"] + 1))
+        out = F.gelu(lin1(h))
+        grad = torch.randn_like(out)
+        weights = [*lin0.parameters(), *lin1.parameters()]
+        if how == "stock grad of the input":
+            return torch.autograd.grad(out, [h], grad)[0]
+        if how == "stock grad of the input and weights":
+            return torch.autograd.grad(out, [h, *weights], grad)[0]
+        if how == "stock backward":
+            torch.autograd.backward(out, grad)
+            dh = None
+        else:
+            (dh,), state = torch_ext.backward_input(out, grad, [h], weights)
+            torch_ext.backward_weight(state)
+        return dh, h.grad, [w.grad for w in weights], calls
+
+    _, stock_h_grad, stock_weight_grads, stock_calls = run("stock backward")
+    dh, h_grad, weight_grads, calls = run("split")
+    assert calls == stock_calls == {"tensor hook": 1, "node pre-hook": 1, "node post-hook": 1}
+    assert_same([h_grad, *weight_grads], [stock_h_grad, *stock_weight_grads], "retained or weight .grad")
+    # The returned input gradient is grad(outputs, inputs)'s: after the tensor hooks. Stock's
+    # grad(outputs, [h, *weights]) returns the one before them, since there h's node also runs.
+    assert torch.equal(dh, run("stock grad of the input"))
+    assert torch.equal(dh, run("stock grad of the input and weights") * 2)
