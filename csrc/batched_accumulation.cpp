@@ -65,7 +65,10 @@ bool AccumulationBatch::try_take(
   }
   const at::Tensor& variable = accumulate->variable;
   const at::Tensor& grad = grads[0];
-  if (!variable.defined() || !grad.defined()) {
+  // AccumulateGrad does nothing for a variable that stopped requiring grad
+  // (frozen between the passes) and raises for one moved into the graph.
+  if (!variable.defined() || !grad.defined() || !variable.requires_grad() ||
+      variable.grad_fn()) {
     return false;
   }
   // Without a .grad, AccumulateGrad steals or clones the incoming gradient:

@@ -626,3 +626,23 @@ def test_hooks_of_an_input_upstream_of_a_weight_run_once() -> None:
     # grad(outputs, [h, *weights]) returns the one before them, since there h's node also runs.
     assert torch.equal(dh, run("stock grad of the input"))
     assert torch.equal(dh, run("stock grad of the input and weights") * 2)
+
+
+def test_batched_accumulation_skips_a_weight_frozen_between_the_passes(batched_accumulation_everywhere) -> None:
+    def run(split: bool) -> torch.Tensor:
+        torch.manual_seed(SEED)
+        w = torch.randn(4, 4, requires_grad=True)
+        w.grad = torch.ones(4, 4)  # accumulated into in place: batched
+        x = torch.randn(2, 4, requires_grad=True)
+        out = (x @ w).tanh()
+        grad = torch.randn_like(out)
+        if split:
+            _, state = torch_ext.backward_input(out, grad, [x], [w])
+            w.requires_grad_(False)  # AccumulateGrad then leaves .grad alone
+            torch_ext.backward_weight(state)
+        else:
+            w.requires_grad_(False)
+            torch.autograd.backward(out, grad)
+        return w.grad
+
+    assert torch.equal(run(split=True), run(split=False))
