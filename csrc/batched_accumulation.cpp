@@ -50,6 +50,12 @@ bool AccumulationBatch::available() {
           .has_value();
 }
 
+bool AccumulationBatch::has_hooks(torch::autograd::Node& fn) {
+  return !fn.tensor_pre_hooks().empty() || !fn.pre_hooks().empty() ||
+      !fn.post_hooks().empty() || !fn.retains_grad_hooks().empty() ||
+      fn.tensor_post_acc_grad_hooks() != nullptr;
+}
+
 bool AccumulationBatch::try_take(
     torch::autograd::Node& fn,
     const torch::autograd::variable_list& grads) {
@@ -58,9 +64,7 @@ bool AccumulationBatch::try_take(
     return false;
   }
   // Any hook observes the accumulation (or its timing): leave it to the node.
-  if (!fn.tensor_pre_hooks().empty() || !fn.pre_hooks().empty() ||
-      !fn.post_hooks().empty() || !fn.retains_grad_hooks().empty() ||
-      fn.tensor_post_acc_grad_hooks() != nullptr) {
+  if (has_hooks(fn)) {
     return false;
   }
   const at::Tensor& variable = accumulate->variable;

@@ -8,7 +8,9 @@
 // "case 2.3"). Done per node on a GPU that is one kernel launch per weight;
 // the batch instead takes these over and runs them as one
 // torch_ext::multi_tensor_accumulate_ (torch_ext.kernels: one Triton launch
-// per dtype on CUDA, the torch reference elsewhere) when the pass ends.
+// per dtype on CUDA, the torch reference elsewhere) when the pass ends, or
+// earlier, before anything could observe a .grad it holds back (a hook, the
+// host task's final callbacks).
 
 #include <torch/csrc/autograd/function.h>
 
@@ -33,6 +35,12 @@ class AccumulationBatch {
   // torch_ext::multi_tensor_accumulate_ registered (torch_ext.kernels
   // imported).
   static bool available();
+
+  // Whether running `fn` runs a hook of any kind. A hook may read any
+  // weight's .grad, which stock has accumulated as soon as its gradient was
+  // ready: the pass flushes the batch before such a node, and never batches
+  // it.
+  static bool has_hooks(torch::autograd::Node& fn);
 
   // Takes over AccumulateGrad `fn`'s work on `grads` if it is an unobserved
   // in-place `.grad += grad`; returns whether it did (the node must then not

@@ -462,7 +462,10 @@ class WeightPass final : public SplitPass {
         keep_graph_(keep_graph),
         batch_accumulation_(AccumulationBatch::available()) {}
 
-  // Accumulates what the batch took over (batched_accumulation.h).
+  // Accumulates what the batch took over (batched_accumulation.h). Also
+  // runs as the host task's first final callback, ahead of any a hook
+  // queues during the pass; after an error, when final callbacks do not run,
+  // backward_weight calls it.
   void flush_accumulation() {
     batch_.flush();
   }
@@ -491,6 +494,10 @@ class WeightPass final : public SplitPass {
         exec_info->erase(state_.nodes[frontier.slot].get());
       }
     }
+    if (batch_accumulation_) {
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [this] { flush_accumulation(); });
+    }
     // Root gradients first, as a full backward delivers them before any node
     // runs; then the frontier nodes become ready and run in the scheduler's
     // order (sequence_nr), which is their order in a full backward, so every
@@ -513,6 +520,10 @@ class WeightPass final : public SplitPass {
 
   variable_list run_node(int32_t slot, Node& fn, variable_list&& buffered)
       override {
+    if (batch_accumulation_ && AccumulationBatch::has_hooks(fn)) {
+      // A hook may read a weight's .grad that the batch holds back.
+      batch_.flush();
+    }
     const int32_t frontier_index = state_.frontier_of_slot[slot];
     if (frontier_index == kNoSlot) {
       if (batch_accumulation_ && batch_.try_take(fn, buffered)) {
@@ -636,7 +647,6 @@ variable_list backward_weight(SplitState& state, bool keep_graph) {
       pass.flush_accumulation();
       throw;
     }
-    pass.flush_accumulation();
   }
   variable_list grads;
   grads.reserve(state.weights.size());

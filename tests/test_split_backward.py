@@ -646,3 +646,48 @@ def test_batched_accumulation_skips_a_weight_frozen_between_the_passes(batched_a
         return w.grad
 
     assert torch.equal(run(split=True), run(split=False))
+
+
+@pytest.mark.parametrize("hooked_runs_first", [False, True], ids=["hooked_after_batched", "hooked_before_batched"])
+def test_batched_accumulation_is_done_before_anything_observes_it(hooked_runs_first: bool) -> None:
+    """Another weight's post-accumulate-grad hook, and a final callback it queues, see the .grad that
+    one full backward shows them, whether or not the weight pass batches the unhooked weight."""
+
+    def run(how: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(SEED)
+        hooked = torch.randn(4, 4, requires_grad=True)
+        plain = torch.randn(4, 4, requires_grad=True)  # no hook: batched in mode "always"
+        hooked.grad, plain.grad = torch.zeros(4, 4), torch.ones(4, 4)
+        seen: dict[str, torch.Tensor] = {}
+
+        def hook(param: torch.Tensor) -> None:
+            seen["hook"] = plain.grad.clone()
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: seen.__setitem__("final callback", plain.grad.clone())
+            )
+
+        hooked.register_post_accumulate_grad_hook(hook)
+        x = torch.randn(3, 4, requires_grad=True)
+        # A full backward accumulates the weight used last in the forward first.
+        first, second = (plain, hooked) if hooked_runs_first else (hooked, plain)
+        out = ((x @ first) @ second).tanh()
+        grad = torch.randn_like(out)
+        if how == "stock":
+            torch.autograd.backward(out, grad)
+        else:
+            before = torch_ext.weight_accumulation_batching()
+            torch_ext.set_weight_accumulation_batching(how)
+            try:
+                _, state = torch_ext.backward_input(out, grad, [x], [hooked, plain])
+                torch_ext.backward_weight(state)
+            finally:
+                torch_ext.set_weight_accumulation_batching(before)
+        seen["after"] = plain.grad
+        return seen
+
+    stock = run("stock")
+    for mode in ("off", "always"):
+        split = run(mode)
+        assert split.keys() == stock.keys(), mode
+        for what in stock:
+            assert torch.equal(split[what], stock[what]), f"{mode}: {what}"
