@@ -13,6 +13,9 @@ namespace {
 std::atomic<WeightAccumulationBatching> batching_mode{
     WeightAccumulationBatching::kAccelerator};
 
+std::atomic<size_t> max_batched_gradient_bytes{
+    kDefaultMaxBatchedGradientBytes};
+
 constexpr const char* kAccumulateOp = "torch_ext::multi_tensor_accumulate_";
 
 bool is_batchable_dtype(at::ScalarType dtype) {
@@ -41,6 +44,10 @@ void set_weight_accumulation_batching(WeightAccumulationBatching mode) {
 
 WeightAccumulationBatching weight_accumulation_batching() {
   return batching_mode.load(std::memory_order_relaxed);
+}
+
+size_t set_max_batched_gradient_bytes(size_t bytes) {
+  return max_batched_gradient_bytes.exchange(bytes, std::memory_order_relaxed);
 }
 
 bool AccumulationBatch::available() {
@@ -95,6 +102,11 @@ bool AccumulationBatch::try_take(
   }
   dsts_.push_back(std::move(variable_grad));
   srcs_.push_back(grad);
+  held_bytes_ += grad.nbytes();
+  if (held_bytes_ >=
+      max_batched_gradient_bytes.load(std::memory_order_relaxed)) {
+    flush();
+  }
   return true;
 }
 
@@ -106,6 +118,7 @@ void AccumulationBatch::flush() {
   std::vector<at::Tensor> srcs = std::move(srcs_);
   dsts_.clear();
   srcs_.clear();
+  held_bytes_ = 0;
   static const auto accumulate =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow(kAccumulateOp, "")

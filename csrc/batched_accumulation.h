@@ -29,6 +29,20 @@ enum class WeightAccumulationBatching {
 void set_weight_accumulation_batching(WeightAccumulationBatching mode);
 WeightAccumulationBatching weight_accumulation_batching();
 
+// Until it flushes, the batch keeps each weight's incoming gradient alive,
+// which stock frees right after its AccumulateGrad; it flushes once the
+// gradients it holds reach this many bytes, so the weight pass's peak exceeds
+// stock's by less than this plus one gradient.
+//
+// 32 MiB: what batching saves is a launch per tensor, which counts for many
+// small tensors (biases, norm weights: hundreds of them fit in a few MiB); a
+// large gradient's add is bandwidth-bound and one launch for it costs little,
+// so holding more buys little and 32 MiB is small next to a GPU's memory. Not
+// measured on a GPU (this machine has none): to revisit with a CUDA benchmark.
+inline constexpr size_t kDefaultMaxBatchedGradientBytes = size_t{32} << 20;
+// For tests: sets the bound, returns the previous one.
+size_t set_max_batched_gradient_bytes(size_t bytes);
+
 class AccumulationBatch {
  public:
   // Whether batching can run at all: a mode other than kOff, and
@@ -55,6 +69,8 @@ class AccumulationBatch {
  private:
   std::vector<at::Tensor> dsts_;
   std::vector<at::Tensor> srcs_;
+  // Bytes of srcs_.
+  size_t held_bytes_ = 0;
 };
 
 } // namespace torch_ext

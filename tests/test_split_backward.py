@@ -691,3 +691,63 @@ def test_batched_accumulation_is_done_before_anything_observes_it(hooked_runs_fi
         assert split.keys() == stock.keys(), mode
         for what in stock:
             assert torch.equal(split[what], stock[what]), f"{mode}: {what}"
+
+
+def _weight_pass_peak_bytes(state) -> int:
+    """Peak CPU bytes allocated and not yet freed while the weight pass runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch_ext.backward_weight(state)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("max_batched", [None, 2], ids=["default_bound", "bound_of_two_gradients"])
+def test_batched_accumulation_holds_a_bounded_number_of_gradients(
+    max_batched: int | None, batched_accumulation_everywhere
+) -> None:
+    """Stock frees each weight's gradient after its AccumulateGrad; the batch holds gradients until it
+    flushes, and flushes once they reach a byte bound."""
+    # Registers the op the batch calls, outside the profiled pass.
+    import torch_ext.kernels
+
+    num_weights, width = 8, 256
+    grad_bytes = width * width * 4
+
+    def run(split: bool):
+        torch.manual_seed(SEED)
+        weights = [torch.randn(width, width, requires_grad=True) for _ in range(num_weights)]
+        for w in weights:
+            w.grad = torch.randn(width, width)  # accumulated into in place: batched
+        x = torch.randn(4, width, requires_grad=True)
+        out = x
+        for w in weights:
+            out = out @ w
+        grad = torch.randn_like(out)
+        if not split:
+            torch.autograd.backward(out, grad)
+            return [w.grad for w in weights], None, None
+        _, state = torch_ext.backward_input(out, grad, [x], weights)
+        with AccumulateCalls() as calls:
+            peak = _weight_pass_peak_bytes(state)
+        return [w.grad for w in weights], peak, calls.batch_sizes
+
+    previous = None if max_batched is None else torch_ext._C._set_max_batched_gradient_bytes(max_batched * grad_bytes)
+    try:
+        grads, peak, batch_sizes = run(split=True)
+    finally:
+        if previous is not None:
+            torch_ext._C._set_max_batched_gradient_bytes(previous)
+    stock_grads, _, _ = run(split=False)
+    assert_same(grads, stock_grads, "weight .grad")
+    if max_batched is None:
+        # 2 MiB of gradients, under the default bound of 32 MiB: one batch, held to the end.
+        assert batch_sizes == [num_weights]
+        assert peak >= num_weights * grad_bytes
+    else:
+        assert batch_sizes == [max_batched] * (num_weights // max_batched)
+        # The held gradients plus the small activation gradients the pass computes on the way.
+        assert max_batched * grad_bytes <= peak < (max_batched + 1) * grad_bytes
