@@ -11,7 +11,9 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_metadata.h>
 
+#include <algorithm>
 #include <sstream>
+#include <unordered_set>
 
 namespace torch_ext {
 
@@ -553,6 +555,42 @@ class WeightPass final : public SplitPass {
   AccumulationBatch batch_;
 };
 
+// The caller may modify an input gradient in place (scale it, send it into a
+// buffer) before the weight pass reads what the state keeps. An input
+// gradient that shares memory with a kept one is cloned: a node that passes
+// its gradient through (AddBackward at `x + bias`), or a captured node of W,
+// whose kept gradients are the captured ones. Rare, and one copy of an input
+// gradient when it happens; no other input gradient is copied.
+void unshare_input_grads_from_state(
+    variable_list& input_grads,
+    const SplitState& state) {
+  std::unordered_set<const c10::StorageImpl*> kept;
+  auto keep = [&kept](const at::Tensor& grad) {
+    if (grad.defined() && grad.has_storage()) {
+      kept.insert(grad.storage().unsafeGetStorageImpl());
+    }
+  };
+  for (const auto& frontier : state.frontier) {
+    for (const auto* grads : {&frontier.inputs, &frontier.outputs}) {
+      if (grads->has_value()) {
+        std::for_each((*grads)->begin(), (*grads)->end(), keep);
+      }
+    }
+  }
+  for (const auto& root : state.weight_side_roots) {
+    keep(root.grad);
+  }
+  if (kept.empty()) {
+    return;
+  }
+  for (auto& grad : input_grads) {
+    if (grad.defined() && grad.has_storage() &&
+        kept.count(grad.storage().unsafeGetStorageImpl()) != 0) {
+      grad = grad.clone();
+    }
+  }
+}
+
 Edge weight_edge(const at::Tensor& weight, size_t index) {
   TORCH_CHECK(
       weight.defined() && weight.requires_grad(),
@@ -613,7 +651,9 @@ InputPassResult backward_input(
   // keep_graph (AOTAutograd's compiled backward frees saved tensors on use
   // without it) must not free what the weight pass needs.
   run_in_host_task(call, /*keep_graph=*/true, /*filtered=*/true);
-  return {call.take_captured(), std::move(state)};
+  variable_list input_grads = call.take_captured();
+  unshare_input_grads_from_state(input_grads, *state);
+  return {std::move(input_grads), std::move(state)};
 }
 
 variable_list backward_weight(SplitState& state, bool keep_graph) {

@@ -751,3 +751,38 @@ def test_batched_accumulation_holds_a_bounded_number_of_gradients(
         assert batch_sizes == [max_batched] * (num_weights // max_batched)
         # The held gradients plus the small activation gradients the pass computes on the way.
         assert max_batched * grad_bytes <= peak < (max_batched + 1) * grad_bytes
+
+
+def _bias_added_to_the_input():
+    """AddBackward passes its gradient through: the input's gradient is the frontier node's input."""
+    b, w = torch.randn(4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    return (x + b) @ w, x, [b, w]
+
+
+def _input_upstream_of_a_weight():
+    """The input's node is in the weight subgraph: the state keeps the gradient captured at it."""
+    lin0, lin1 = nn.Linear(4, 4), nn.Linear(4, 4)
+    h = lin0(torch.randn(3, 4, requires_grad=True))
+    return F.gelu(lin1(h)), h, [*lin0.parameters(), *lin1.parameters()]
+
+
+@pytest.mark.parametrize("graph", [_bias_added_to_the_input, _input_upstream_of_a_weight], ids=["bias", "upstream"])
+def test_modifying_an_input_gradient_between_the_passes_leaves_the_weights_alone(graph) -> None:
+    def run(split: bool):
+        torch.manual_seed(SEED)
+        out, x, weights = graph()
+        grad = torch.randn_like(out)
+        if not split:
+            x.retain_grad()
+            torch.autograd.backward(out, grad)
+            return [x.grad], [w.grad for w in weights]
+        (dx,), state = torch_ext.backward_input(out, grad, [x], weights)
+        returned = dx.clone()
+        dx.mul_(0.5)  # e.g. scaled in place before it is sent to the previous stage
+        torch_ext.backward_weight(state)
+        return [returned], [w.grad for w in weights]
+
+    (stock_dx, stock_weights), (dx, weight_grads) = run(split=False), run(split=True)
+    assert_same(dx, stock_dx, "input gradient")
+    assert_same(weight_grads, stock_weights, "weight .grad")
