@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/input_metadata.h>
 
 #include <algorithm>
+#include <atomic>
 #include <sstream>
 #include <unordered_set>
 
@@ -58,7 +59,9 @@ struct SplitState {
   std::vector<FrontierNode> frontier;
   std::vector<WeightSideRoot> weight_side_roots;
   variable_list weights;
-  bool consumed = false;
+  // Set by the first backward_weight. Atomic: two threads may resume one
+  // state at once (the GIL is released), and exactly one may run.
+  std::atomic<bool> consumed{false};
 
   // Everything the dW pass needed, dropped once it ran (or failed).
   void release() {
@@ -658,10 +661,9 @@ InputPassResult backward_input(
 
 variable_list backward_weight(SplitState& state, bool keep_graph) {
   TORCH_CHECK(
-      !state.consumed,
+      !state.consumed.exchange(true),
       "backward_weight: this state was already resumed; each state that "
       "backward_input returns runs its weight pass once");
-  state.consumed = true;
   struct ReleaseOnExit {
     SplitState& state;
     ~ReleaseOnExit() {

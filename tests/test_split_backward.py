@@ -786,3 +786,34 @@ def test_modifying_an_input_gradient_between_the_passes_leaves_the_weights_alone
     (stock_dx, stock_weights), (dx, weight_grads) = run(split=False), run(split=True)
     assert_same(dx, stock_dx, "input gradient")
     assert_same(weight_grads, stock_weights, "weight .grad")
+
+
+def test_two_threads_resuming_one_state_run_its_weight_pass_once() -> None:
+    """backward_weight releases the GIL: of two threads resuming one state, exactly one runs it."""
+    import threading
+
+    def resume(state, start: threading.Barrier, outcomes: list[str]) -> None:
+        start.wait()
+        try:
+            torch_ext.backward_weight(state)
+            outcomes.append("ran")
+        except RuntimeError as error:
+            outcomes.append(str(error))
+
+    for _ in range(50):
+        torch.manual_seed(SEED)
+        lin = nn.Linear(16, 16)
+        x = torch.randn(4, 16, requires_grad=True)
+        out = torch.tanh(lin(x))
+        _, state = torch_ext.backward_input(out, torch.ones_like(out), [x], list(lin.parameters()))
+        start = threading.Barrier(2)
+        outcomes: list[str] = []
+        threads = [threading.Thread(target=resume, args=(state, start, outcomes)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(outcomes) == 2 and outcomes.count("ran") == 1, outcomes
+        assert "this state was already resumed" in next(o for o in outcomes if o != "ran")
+        stock = torch.autograd.grad(torch.tanh(lin(x)), list(lin.parameters()), torch.ones_like(out))
+        assert_same([p.grad for p in lin.parameters()], list(stock), "weight .grad")
