@@ -32,7 +32,7 @@ struct FrontierNode {
   // in are cut from the weight plan. Its hooks before apply() ran in dI.
   bool captured_in_weight_subgraph = false;
   // The gradients it received, after its pre-hooks: the dW pass runs its
-  // apply() on them again, for the edges into W.
+  // apply() on them (again, for a node of D: for the edges into W).
   std::optional<variable_list> inputs;
   // Or the gradients it already produced for its edges into W (undefined at
   // the other positions): the dW pass delivers them without running it.

@@ -817,3 +817,24 @@ def test_two_threads_resuming_one_state_run_its_weight_pass_once() -> None:
         assert "this state was already resumed" in next(o for o in outcomes if o != "ran")
         stock = torch.autograd.grad(torch.tanh(lin(x)), list(lin.parameters()), torch.ones_like(out))
         assert_same([p.grad for p in lin.parameters()], list(stock), "weight .grad")
+
+
+def test_an_output_that_is_an_input_upstream_of_a_weight() -> None:
+    """The single root is the input's node, in the weight subgraph: the input pass still delivers the
+    root gradient to it, for the capture."""
+
+    def run(split: bool):
+        torch.manual_seed(SEED)
+        lin0 = nn.Linear(5, 5)
+        h = lin0(torch.randn(3, 5, requires_grad=True))
+        h.register_hook(lambda grad: grad * 2)
+        grad = torch.randn_like(h)
+        if not split:
+            h.retain_grad()
+            torch.autograd.backward(h, grad)
+            return [h.grad] + [p.grad for p in lin0.parameters()]
+        (dh,), state = torch_ext.backward_input(h, grad, [h], list(lin0.parameters()))
+        torch_ext.backward_weight(state)
+        return [dh] + [p.grad for p in lin0.parameters()]
+
+    assert_same(run(split=True), run(split=False), "gradient")
