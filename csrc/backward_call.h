@@ -62,6 +62,10 @@ class SplitPass {
       int32_t slot,
       Node& fn,
       variable_list&& buffered) = 0;
+  // A node that only captures (not `needed`) ran its tensor pre-hooks and
+  // retains_grad hooks on its gradients, `hooked`, which it captured; it
+  // does not run. A pass whose other half runs the node keeps them.
+  virtual void on_captured_only(int32_t /*slot*/, variable_list&& /*hooked*/) {}
 };
 
 // The thread's "currently evaluating node" slot of stock's NodeGuard, or null

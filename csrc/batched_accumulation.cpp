@@ -13,6 +13,9 @@ namespace {
 std::atomic<WeightAccumulationBatching> batching_mode{
     WeightAccumulationBatching::kAccelerator};
 
+std::atomic<size_t> max_batched_gradient_bytes{
+    kDefaultMaxBatchedGradientBytes};
+
 constexpr const char* kAccumulateOp = "torch_ext::multi_tensor_accumulate_";
 
 bool is_batchable_dtype(at::ScalarType dtype) {
@@ -43,11 +46,21 @@ WeightAccumulationBatching weight_accumulation_batching() {
   return batching_mode.load(std::memory_order_relaxed);
 }
 
+size_t set_max_batched_gradient_bytes(size_t bytes) {
+  return max_batched_gradient_bytes.exchange(bytes, std::memory_order_relaxed);
+}
+
 bool AccumulationBatch::available() {
   return weight_accumulation_batching() != WeightAccumulationBatching::kOff &&
       c10::Dispatcher::singleton()
           .findSchema(c10::OperatorName(kAccumulateOp, ""))
           .has_value();
+}
+
+bool AccumulationBatch::has_hooks(torch::autograd::Node& fn) {
+  return !fn.tensor_pre_hooks().empty() || !fn.pre_hooks().empty() ||
+      !fn.post_hooks().empty() || !fn.retains_grad_hooks().empty() ||
+      fn.tensor_post_acc_grad_hooks() != nullptr;
 }
 
 bool AccumulationBatch::try_take(
@@ -58,14 +71,15 @@ bool AccumulationBatch::try_take(
     return false;
   }
   // Any hook observes the accumulation (or its timing): leave it to the node.
-  if (!fn.tensor_pre_hooks().empty() || !fn.pre_hooks().empty() ||
-      !fn.post_hooks().empty() || !fn.retains_grad_hooks().empty() ||
-      fn.tensor_post_acc_grad_hooks() != nullptr) {
+  if (has_hooks(fn)) {
     return false;
   }
   const at::Tensor& variable = accumulate->variable;
   const at::Tensor& grad = grads[0];
-  if (!variable.defined() || !grad.defined()) {
+  // AccumulateGrad does nothing for a variable that stopped requiring grad
+  // (frozen between the passes) and raises for one moved into the graph.
+  if (!variable.defined() || !grad.defined() || !variable.requires_grad() ||
+      variable.grad_fn()) {
     return false;
   }
   // Without a .grad, AccumulateGrad steals or clones the incoming gradient:
@@ -88,6 +102,11 @@ bool AccumulationBatch::try_take(
   }
   dsts_.push_back(std::move(variable_grad));
   srcs_.push_back(grad);
+  held_bytes_ += grad.nbytes();
+  if (held_bytes_ >=
+      max_batched_gradient_bytes.load(std::memory_order_relaxed)) {
+    flush();
+  }
   return true;
 }
 
@@ -99,6 +118,7 @@ void AccumulationBatch::flush() {
   std::vector<at::Tensor> srcs = std::move(srcs_);
   dsts_.clear();
   srcs_.clear();
+  held_bytes_ = 0;
   static const auto accumulate =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow(kAccumulateOp, "")

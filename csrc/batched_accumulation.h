@@ -8,7 +8,9 @@
 // "case 2.3"). Done per node on a GPU that is one kernel launch per weight;
 // the batch instead takes these over and runs them as one
 // torch_ext::multi_tensor_accumulate_ (torch_ext.kernels: one Triton launch
-// per dtype on CUDA, the torch reference elsewhere) when the pass ends.
+// per dtype on CUDA, the torch reference elsewhere) when the pass ends, or
+// earlier, before anything could observe a .grad it holds back (a hook, the
+// host task's final callbacks).
 
 #include <torch/csrc/autograd/function.h>
 
@@ -27,12 +29,32 @@ enum class WeightAccumulationBatching {
 void set_weight_accumulation_batching(WeightAccumulationBatching mode);
 WeightAccumulationBatching weight_accumulation_batching();
 
+// Until it flushes, the batch keeps each weight's incoming gradient alive,
+// which stock frees right after its AccumulateGrad; it flushes once the
+// gradients it holds reach this many bytes, so the weight pass's peak exceeds
+// stock's by less than this plus one gradient.
+//
+// 32 MiB: what batching saves is a launch per tensor, which counts for many
+// small tensors (biases, norm weights: hundreds of them fit in a few MiB); a
+// large gradient's add is bandwidth-bound and one launch for it costs little,
+// so holding more buys little and 32 MiB is small next to a GPU's memory. Not
+// measured on a GPU (this machine has none): to revisit with a CUDA benchmark.
+inline constexpr size_t kDefaultMaxBatchedGradientBytes = size_t{32} << 20;
+// For tests: sets the bound, returns the previous one.
+size_t set_max_batched_gradient_bytes(size_t bytes);
+
 class AccumulationBatch {
  public:
   // Whether batching can run at all: a mode other than kOff, and
   // torch_ext::multi_tensor_accumulate_ registered (torch_ext.kernels
   // imported).
   static bool available();
+
+  // Whether running `fn` runs a hook of any kind. A hook may read any
+  // weight's .grad, which stock has accumulated as soon as its gradient was
+  // ready: the pass flushes the batch before such a node, and never batches
+  // it.
+  static bool has_hooks(torch::autograd::Node& fn);
 
   // Takes over AccumulateGrad `fn`'s work on `grads` if it is an unobserved
   // in-place `.grad += grad`; returns whether it did (the node must then not
@@ -47,6 +69,8 @@ class AccumulationBatch {
  private:
   std::vector<at::Tensor> dsts_;
   std::vector<at::Tensor> srcs_;
+  // Bytes of srcs_.
+  size_t held_bytes_ = 0;
 };
 
 } // namespace torch_ext

@@ -460,6 +460,9 @@ void BackwardCall::execute_node(int32_t index) {
       }
     }
     if (!slot.needed) {
+      if (split_ != nullptr) {
+        split_->on_captured_only(index, std::move(seen_inputs));
+      }
       return;
     }
   }

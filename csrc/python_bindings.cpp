@@ -491,6 +491,11 @@ PyMethodDef methods[] = {
      py_weight_accumulation_batching,
      METH_NOARGS,
      "weight_accumulation_batching() -> mode."},
+    {"_set_max_batched_gradient_bytes",
+     py_set_max_batched_gradient_bytes,
+     METH_O,
+     "_set_max_batched_gradient_bytes(n) -> previous n: for tests, the bytes "
+     "of gradients batched accumulation holds before it flushes."},
     {"backward_weight",
      py_backward_weight,
      METH_VARARGS,

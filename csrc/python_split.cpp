@@ -18,6 +18,7 @@
 #include <torch/csrc/utils.h>
 #include <torch/csrc/utils/python_strings.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/utils/python_numbers.h>
 
 #include <new>
 
@@ -299,6 +300,20 @@ PyObject* py_weight_accumulation_batching(PyObject* /*module*/, PyObject* /*unus
     }
   }
   TORCH_INTERNAL_ASSERT(false, "unknown weight accumulation batching mode");
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_set_max_batched_gradient_bytes(PyObject* /*module*/, PyObject* bytes) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(
+      THPUtils_checkLong(bytes),
+      "_set_max_batched_gradient_bytes expects an int, got ",
+      Py_TYPE(bytes)->tp_name);
+  const int64_t value = THPUtils_unpackLong(bytes);
+  TORCH_CHECK_VALUE(
+      value >= 0, "_set_max_batched_gradient_bytes: bytes must be >= 0");
+  return THPUtils_packUInt64(
+      set_max_batched_gradient_bytes(static_cast<size_t>(value)));
   END_HANDLE_TH_ERRORS
 }
 

@@ -14,6 +14,8 @@ PyObject* py_backward_input(PyObject* module, PyObject* args);
 PyObject* py_backward_weight(PyObject* module, PyObject* args);
 PyObject* py_set_weight_accumulation_batching(PyObject* module, PyObject* mode);
 PyObject* py_weight_accumulation_batching(PyObject* module, PyObject* unused);
+// _set_max_batched_gradient_bytes(n) -> previous n (for tests)
+PyObject* py_set_max_batched_gradient_bytes(PyObject* module, PyObject* bytes);
 
 // Adds the SplitState type to `module` and lets split passes narrow custom
 // Functions' ctx.needs_input_grad. False, with a Python error set, on failure.

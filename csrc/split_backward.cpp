@@ -8,19 +8,31 @@
 
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_metadata.h>
 
+#include <algorithm>
+#include <atomic>
 #include <sstream>
+#include <unordered_set>
 
 namespace torch_ext {
 
-// A node of D with a next edge into W, as the dI pass left it. Exactly one of
-// `inputs` and `outputs` is set once the dI pass has run it.
+using torch::autograd::GraphTask;
+
+// A node the dW pass starts from, as the dI pass left it: a node of D with a
+// next edge into W, or a node of W that the dI pass captured at (an input
+// upstream of a weight). Exactly one of `inputs` and `outputs` is set once the
+// dI pass has run (or captured at) it.
 struct FrontierNode {
   // Its slot in SplitState::weight_plan.
   int32_t slot = kNoSlot;
+  // A captured node of W: every edge into it comes from D (a node leading to
+  // it leads to an input), so its gradients were complete in dI and its edges
+  // in are cut from the weight plan. Its hooks before apply() ran in dI.
+  bool captured_in_weight_subgraph = false;
   // The gradients it received, after its pre-hooks: the dW pass runs its
-  // apply() on them again, for the edges into W.
+  // apply() on them (again, for a node of D: for the edges into W).
   std::optional<variable_list> inputs;
   // Or the gradients it already produced for its edges into W (undefined at
   // the other positions): the dW pass delivers them without running it.
@@ -47,7 +59,9 @@ struct SplitState {
   std::vector<FrontierNode> frontier;
   std::vector<WeightSideRoot> weight_side_roots;
   variable_list weights;
-  bool consumed = false;
+  // Set by the first backward_weight. Atomic: two threads may resume one
+  // state at once (the GIL is released), and exactly one may run.
+  std::atomic<bool> consumed{false};
 
   // Everything the dW pass needed, dropped once it ran (or failed).
   void release() {
@@ -85,6 +99,15 @@ class NarrowedNeedsInputGrad {
   Node& fn_;
   void* token_;
 };
+
+// Stock's call_pre_hooks: the node pre-hooks, which run after the tensor
+// pre-hooks and retains_grad hooks (NOTE [Hooks ordering]).
+variable_list call_node_pre_hooks(Node& fn, variable_list inputs) {
+  for (const auto& hook : fn.pre_hooks()) {
+    inputs = (*hook)(inputs);
+  }
+  return inputs;
+}
 
 // Hooks -> apply -> hooks, then releases the saved variables unless the
 // graph is kept: a node run in one pass only.
@@ -234,13 +257,9 @@ class InputPass final : public SplitPass {
       // and the weight pass will not run it again.
       variable_list kept(outputs.size());
       for (size_t i = 0; i < outputs.size(); ++i) {
-        if (!is_weight_side_edge(slot, i)) {
-          continue;
-        }
-        if (plan_->slots[plan_->target_of(slot, i)].should_execute()) {
-          // Also captured now (an input upstream of a weight).
-          kept[i] = outputs[i];
-        } else {
+        // An edge into a captured node of W delivers now (see FrontierNode).
+        if (is_weight_side_edge(slot, i) &&
+            !plan_->slots[plan_->target_of(slot, i)].should_execute()) {
           kept[i] = std::move(outputs[i]);
         }
       }
@@ -259,6 +278,19 @@ class InputPass final : public SplitPass {
       }
     }
     return outputs;
+  }
+
+  void on_captured_only(int32_t slot, variable_list&& hooked) override {
+    const int32_t frontier_index = frontier_index_[slot];
+    if (frontier_index == kNoSlot) {
+      return;
+    }
+    // A captured node of W: its tensor pre-hooks and retains_grad hooks ran
+    // on these gradients, for the capture; its node pre-hooks run now, like
+    // a frontier node's, and the weight pass runs only its apply(), so every
+    // hook runs once across the passes.
+    state_.frontier[frontier_index].inputs =
+        call_node_pre_hooks(*plan_->slots[slot].fn, std::move(hooked));
   }
 
  private:
@@ -290,7 +322,8 @@ class InputPass final : public SplitPass {
   }
 
   // D: the slots the plan runs (`needed`). W: the others that lead to a
-  // weight. Frontier: slots of D with an edge into W.
+  // weight. Frontier: slots of D with an edge into W, and slots of W that
+  // capture (FrontierNode::captured_in_weight_subgraph).
   void classify(const GraphPlan& plan) {
     std::vector<int32_t> weight_slots;
     for (const auto& weight : weights_) {
@@ -308,6 +341,11 @@ class InputPass final : public SplitPass {
     frontier_index_.assign(num_slots, kNoSlot);
     for (size_t s = 0; s < num_slots; ++s) {
       const NodeSlot& node = plan.slots[s];
+      if (is_captured_weight_side(plan, static_cast<int32_t>(s))) {
+        frontier_index_[s] = static_cast<int32_t>(state_.frontier.size());
+        state_.frontier.emplace_back().captured_in_weight_subgraph = true;
+        continue;
+      }
       if (!node.needed || !node.expanded) {
         continue;
       }
@@ -319,8 +357,14 @@ class InputPass final : public SplitPass {
         }
       }
     }
-    single_root_on_weight_side_ =
-        roots_.size() == 1 && weight_side_[plan.root_targets[0]];
+    // A captured root target receives its gradient in this pass.
+    single_root_on_weight_side_ = roots_.size() == 1 &&
+        weight_side_[plan.root_targets[0]] &&
+        !is_captured_weight_side(plan, plan.root_targets[0]);
+  }
+
+  bool is_captured_weight_side(const GraphPlan& plan, int32_t slot) const {
+    return weight_side_[slot] && plan.slots[slot].first_capture != kNoSlot;
   }
 
   bool is_weight_side_edge_of(const GraphPlan& plan, int32_t slot, size_t edge)
@@ -369,8 +413,10 @@ class InputPass final : public SplitPass {
       for (size_t i = 0; i < num_edges; ++i) {
         const int32_t target = plan.target_of(s, i);
         weight_plan.edge_targets.push_back(
-            target != kNoSlot && weight_side_[target] ? weight_plan_slot[target]
-                                                      : kNoSlot);
+            target != kNoSlot && weight_side_[target] &&
+                    !is_captured_weight_side(plan, target)
+                ? weight_plan_slot[target]
+                : kNoSlot);
       }
     }
     if (!plan.priority.empty()) {
@@ -387,7 +433,7 @@ class InputPass final : public SplitPass {
 
     for (size_t i = 0; i < roots_.size(); ++i) {
       const int32_t target = plan.root_targets[i];
-      if (!weight_side_[target]) {
+      if (!weight_side_[target] || is_captured_weight_side(plan, target)) {
         continue;
       }
       if (single_root_on_weight_side_) {
@@ -426,7 +472,10 @@ class WeightPass final : public SplitPass {
         keep_graph_(keep_graph),
         batch_accumulation_(AccumulationBatch::available()) {}
 
-  // Accumulates what the batch took over (batched_accumulation.h).
+  // Accumulates what the batch took over (batched_accumulation.h). Also
+  // runs as the host task's first final callback, ahead of any a hook
+  // queues during the pass; after an error, when final callbacks do not run,
+  // backward_weight calls it.
   void flush_accumulation() {
     batch_.flush();
   }
@@ -441,6 +490,24 @@ class WeightPass final : public SplitPass {
   }
 
   void seed(BackwardCall& call) override {
+    // Frontier nodes recompute only the gradients the weight plan delivers:
+    // a captured node of W got its gradients in the input pass, so it leaves
+    // the host's exec_info (task_should_compute_output) now that the plan is
+    // published. It still runs; only _will_engine_execute_node on it would
+    // tell otherwise, and its tensor hooks (where multi-grad hooks ask) ran
+    // in the input pass.
+    auto* exec_info =
+        const_cast<std::unordered_map<Node*, GraphTask::ExecInfo>*>(
+            torch::autograd::get_current_graph_task_exec_info());
+    for (const auto& frontier : state_.frontier) {
+      if (frontier.captured_in_weight_subgraph) {
+        exec_info->erase(state_.nodes[frontier.slot].get());
+      }
+    }
+    if (batch_accumulation_) {
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [this] { flush_accumulation(); });
+    }
     // Root gradients first, as a full backward delivers them before any node
     // runs; then the frontier nodes become ready and run in the scheduler's
     // order (sequence_nr), which is their order in a full backward, so every
@@ -463,6 +530,10 @@ class WeightPass final : public SplitPass {
 
   variable_list run_node(int32_t slot, Node& fn, variable_list&& buffered)
       override {
+    if (batch_accumulation_ && AccumulationBatch::has_hooks(fn)) {
+      // A hook may read a weight's .grad that the batch holds back.
+      batch_.flush();
+    }
     const int32_t frontier_index = state_.frontier_of_slot[slot];
     if (frontier_index == kNoSlot) {
       if (batch_accumulation_ && batch_.try_take(fn, buffered)) {
@@ -491,6 +562,42 @@ class WeightPass final : public SplitPass {
   const bool batch_accumulation_;
   AccumulationBatch batch_;
 };
+
+// The caller may modify an input gradient in place (scale it, send it into a
+// buffer) before the weight pass reads what the state keeps. An input
+// gradient that shares memory with a kept one is cloned: a node that passes
+// its gradient through (AddBackward at `x + bias`), or a captured node of W,
+// whose kept gradients are the captured ones. Rare, and one copy of an input
+// gradient when it happens; no other input gradient is copied.
+void unshare_input_grads_from_state(
+    variable_list& input_grads,
+    const SplitState& state) {
+  std::unordered_set<const c10::StorageImpl*> kept;
+  auto keep = [&kept](const at::Tensor& grad) {
+    if (grad.defined() && grad.has_storage()) {
+      kept.insert(grad.storage().unsafeGetStorageImpl());
+    }
+  };
+  for (const auto& frontier : state.frontier) {
+    for (const auto* grads : {&frontier.inputs, &frontier.outputs}) {
+      if (grads->has_value()) {
+        std::for_each((*grads)->begin(), (*grads)->end(), keep);
+      }
+    }
+  }
+  for (const auto& root : state.weight_side_roots) {
+    keep(root.grad);
+  }
+  if (kept.empty()) {
+    return;
+  }
+  for (auto& grad : input_grads) {
+    if (grad.defined() && grad.has_storage() &&
+        kept.count(grad.storage().unsafeGetStorageImpl()) != 0) {
+      grad = grad.clone();
+    }
+  }
+}
 
 Edge weight_edge(const at::Tensor& weight, size_t index) {
   TORCH_CHECK(
@@ -552,15 +659,16 @@ InputPassResult backward_input(
   // keep_graph (AOTAutograd's compiled backward frees saved tensors on use
   // without it) must not free what the weight pass needs.
   run_in_host_task(call, /*keep_graph=*/true, /*filtered=*/true);
-  return {call.take_captured(), std::move(state)};
+  variable_list input_grads = call.take_captured();
+  unshare_input_grads_from_state(input_grads, *state);
+  return {std::move(input_grads), std::move(state)};
 }
 
 variable_list backward_weight(SplitState& state, bool keep_graph) {
   TORCH_CHECK(
-      !state.consumed,
+      !state.consumed.exchange(true),
       "backward_weight: this state was already resumed; each state that "
       "backward_input returns runs its weight pass once");
-  state.consumed = true;
   struct ReleaseOnExit {
     SplitState& state;
     ~ReleaseOnExit() {
@@ -586,7 +694,6 @@ variable_list backward_weight(SplitState& state, bool keep_graph) {
       pass.flush_accumulation();
       throw;
     }
-    pass.flush_accumulation();
   }
   variable_list grads;
   grads.reserve(state.weights.size());

@@ -17,6 +17,10 @@
 //     weight-side gradient in dI (a custom Function that ignores what it is
 //     asked for) keeps those gradients instead and is released at once: the
 //     dW pass delivers them without running it again;
+//   - captured nodes of W (an input whose own node leads to a weight): every
+//     edge into one comes from D, so the dI pass completes its gradients,
+//     captures them after its tensor hooks and retains_grad hooks, runs its
+//     pre-hooks and keeps them; the dW pass runs only its apply();
 //   - roots whose edge leads into W directly.
 // Nodes of D that are not frontier nodes are released when dI returns (unless
 // the graph is retained); W is untouched until dW, which runs it inside its

@@ -186,6 +186,18 @@ def output_without_inputs() -> Callable[[], Microbatch]:
     return microbatch
 
 
+def input_upstream_of_a_weight() -> Callable[[], Microbatch]:
+    """The stage input's own node leads to a weight: the input pass captures at it, the weight pass
+    runs it. (Not in CASES: a non-leaf input has no .grad to compare with a full backward's.)"""
+    lin0, lin1 = nn.Linear(5, 5), nn.Linear(5, 5)
+
+    def microbatch() -> Microbatch:
+        h = lin0(torch.randn(3, 5, requires_grad=True))
+        return _with_random_grads((F.gelu(lin1(h)),), [h], [*lin0.parameters(), *lin1.parameters()])
+
+    return microbatch
+
+
 def first_stage() -> Callable[[], Microbatch]:
     """No input needs a gradient: the input pass runs nothing and the weight pass everything."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -343,7 +355,11 @@ def weight_gradient_shapes(weights: list[torch.Tensor]) -> set[tuple[int, ...]]:
     return {tuple(w.shape) for w in weights if w.dim() == 2} | {tuple(w.t().shape) for w in weights if w.dim() == 2}
 
 
-@pytest.mark.parametrize("case", [mlp, transformer_block, custom_functions], ids=["mlp", "transformer", "custom"])
+@pytest.mark.parametrize(
+    "case",
+    [mlp, transformer_block, custom_functions, input_upstream_of_a_weight],
+    ids=["mlp", "transformer", "custom", "input_upstream_of_a_weight"],
+)
 def test_passes_split_the_matmuls(case: Case) -> None:
     torch.manual_seed(SEED)
     mb = case()()
@@ -564,5 +580,261 @@ def test_input_grad_of_an_input_upstream_of_a_weight() -> None:
         (dh,), state = torch_ext.backward_input(out, grad, [h], weights)
         torch_ext.backward_weight(state)
         return [dh] + [w.grad for w in weights]
+
+    assert_same(run(split=True), run(split=False), "gradient")
+
+
+def test_hooks_of_an_input_upstream_of_a_weight_run_once() -> None:
+    """The input's node is captured at in the input pass (tensor hooks, retain_grad) and run in the
+    weight pass (apply): each of its hooks runs once, as in one full backward."""
+
+    def run(how: str):
+        torch.manual_seed(SEED)
+        lin0, lin1 = nn.Linear(5, 5), nn.Linear(5, 5)
+        a = torch.randn(3, 5, requires_grad=True)
+        h = lin0(a)
+        h.retain_grad()
+        calls = {"tensor hook": 0, "node pre-hook": 0, "node post-hook": 0}
+
+        def tensor_hook(grad):
+            calls["tensor hook"] += 1
+            return grad * 2  # what the weight pass must see, once
+
+        h.register_hook(tensor_hook)
+        h.grad_fn.register_prehook(lambda grads: calls.__setitem__("node pre-hook", calls["node pre-hook"] + 1))
+        h.grad_fn.register_hook(lambda gi, go: calls.__setitem__("node post-hook", calls["node post-hook"] + 1))
+        out = F.gelu(lin1(h))
+        grad = torch.randn_like(out)
+        weights = [*lin0.parameters(), *lin1.parameters()]
+        if how == "stock grad of the input":
+            return torch.autograd.grad(out, [h], grad)[0]
+        if how == "stock grad of the input and weights":
+            return torch.autograd.grad(out, [h, *weights], grad)[0]
+        if how == "stock backward":
+            torch.autograd.backward(out, grad)
+            dh = None
+        else:
+            (dh,), state = torch_ext.backward_input(out, grad, [h], weights)
+            torch_ext.backward_weight(state)
+        return dh, h.grad, [w.grad for w in weights], calls
+
+    _, stock_h_grad, stock_weight_grads, stock_calls = run("stock backward")
+    dh, h_grad, weight_grads, calls = run("split")
+    assert calls == stock_calls == {"tensor hook": 1, "node pre-hook": 1, "node post-hook": 1}
+    assert_same([h_grad, *weight_grads], [stock_h_grad, *stock_weight_grads], "retained or weight .grad")
+    # The returned input gradient is grad(outputs, inputs)'s: after the tensor hooks. Stock's
+    # grad(outputs, [h, *weights]) returns the one before them, since there h's node also runs.
+    assert torch.equal(dh, run("stock grad of the input"))
+    assert torch.equal(dh, run("stock grad of the input and weights") * 2)
+
+
+def test_batched_accumulation_skips_a_weight_frozen_between_the_passes(batched_accumulation_everywhere) -> None:
+    def run(split: bool) -> torch.Tensor:
+        torch.manual_seed(SEED)
+        w = torch.randn(4, 4, requires_grad=True)
+        w.grad = torch.ones(4, 4)  # accumulated into in place: batched
+        x = torch.randn(2, 4, requires_grad=True)
+        out = (x @ w).tanh()
+        grad = torch.randn_like(out)
+        if split:
+            _, state = torch_ext.backward_input(out, grad, [x], [w])
+            w.requires_grad_(False)  # AccumulateGrad then leaves .grad alone
+            torch_ext.backward_weight(state)
+        else:
+            w.requires_grad_(False)
+            torch.autograd.backward(out, grad)
+        return w.grad
+
+    assert torch.equal(run(split=True), run(split=False))
+
+
+@pytest.mark.parametrize("hooked_runs_first", [False, True], ids=["hooked_after_batched", "hooked_before_batched"])
+def test_batched_accumulation_is_done_before_anything_observes_it(hooked_runs_first: bool) -> None:
+    """Another weight's post-accumulate-grad hook, and a final callback it queues, see the .grad that
+    one full backward shows them, whether or not the weight pass batches the unhooked weight."""
+
+    def run(how: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(SEED)
+        hooked = torch.randn(4, 4, requires_grad=True)
+        plain = torch.randn(4, 4, requires_grad=True)  # no hook: batched in mode "always"
+        hooked.grad, plain.grad = torch.zeros(4, 4), torch.ones(4, 4)
+        seen: dict[str, torch.Tensor] = {}
+
+        def hook(param: torch.Tensor) -> None:
+            seen["hook"] = plain.grad.clone()
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: seen.__setitem__("final callback", plain.grad.clone())
+            )
+
+        hooked.register_post_accumulate_grad_hook(hook)
+        x = torch.randn(3, 4, requires_grad=True)
+        # A full backward accumulates the weight used last in the forward first.
+        first, second = (plain, hooked) if hooked_runs_first else (hooked, plain)
+        out = ((x @ first) @ second).tanh()
+        grad = torch.randn_like(out)
+        if how == "stock":
+            torch.autograd.backward(out, grad)
+        else:
+            before = torch_ext.weight_accumulation_batching()
+            torch_ext.set_weight_accumulation_batching(how)
+            try:
+                _, state = torch_ext.backward_input(out, grad, [x], [hooked, plain])
+                torch_ext.backward_weight(state)
+            finally:
+                torch_ext.set_weight_accumulation_batching(before)
+        seen["after"] = plain.grad
+        return seen
+
+    stock = run("stock")
+    for mode in ("off", "always"):
+        split = run(mode)
+        assert split.keys() == stock.keys(), mode
+        for what in stock:
+            assert torch.equal(split[what], stock[what]), f"{mode}: {what}"
+
+
+def _weight_pass_peak_bytes(state) -> int:
+    """Peak CPU bytes allocated and not yet freed while the weight pass runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch_ext.backward_weight(state)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("max_batched", [None, 2], ids=["default_bound", "bound_of_two_gradients"])
+def test_batched_accumulation_holds_a_bounded_number_of_gradients(
+    max_batched: int | None, batched_accumulation_everywhere
+) -> None:
+    """Stock frees each weight's gradient after its AccumulateGrad; the batch holds gradients until it
+    flushes, and flushes once they reach a byte bound."""
+    # Registers the op the batch calls, outside the profiled pass.
+    import torch_ext.kernels
+
+    num_weights, width = 8, 256
+    grad_bytes = width * width * 4
+
+    def run(split: bool):
+        torch.manual_seed(SEED)
+        weights = [torch.randn(width, width, requires_grad=True) for _ in range(num_weights)]
+        for w in weights:
+            w.grad = torch.randn(width, width)  # accumulated into in place: batched
+        x = torch.randn(4, width, requires_grad=True)
+        out = x
+        for w in weights:
+            out = out @ w
+        grad = torch.randn_like(out)
+        if not split:
+            torch.autograd.backward(out, grad)
+            return [w.grad for w in weights], None, None
+        _, state = torch_ext.backward_input(out, grad, [x], weights)
+        with AccumulateCalls() as calls:
+            peak = _weight_pass_peak_bytes(state)
+        return [w.grad for w in weights], peak, calls.batch_sizes
+
+    previous = None if max_batched is None else torch_ext._C._set_max_batched_gradient_bytes(max_batched * grad_bytes)
+    try:
+        grads, peak, batch_sizes = run(split=True)
+    finally:
+        if previous is not None:
+            torch_ext._C._set_max_batched_gradient_bytes(previous)
+    stock_grads, _, _ = run(split=False)
+    assert_same(grads, stock_grads, "weight .grad")
+    if max_batched is None:
+        # 2 MiB of gradients, under the default bound of 32 MiB: one batch, held to the end.
+        assert batch_sizes == [num_weights]
+        assert peak >= num_weights * grad_bytes
+    else:
+        assert batch_sizes == [max_batched] * (num_weights // max_batched)
+        # The held gradients plus the small activation gradients the pass computes on the way.
+        assert max_batched * grad_bytes <= peak < (max_batched + 1) * grad_bytes
+
+
+def _bias_added_to_the_input():
+    """AddBackward passes its gradient through: the input's gradient is the frontier node's input."""
+    b, w = torch.randn(4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    return (x + b) @ w, x, [b, w]
+
+
+def _input_upstream_of_a_weight():
+    """The input's node is in the weight subgraph: the state keeps the gradient captured at it."""
+    lin0, lin1 = nn.Linear(4, 4), nn.Linear(4, 4)
+    h = lin0(torch.randn(3, 4, requires_grad=True))
+    return F.gelu(lin1(h)), h, [*lin0.parameters(), *lin1.parameters()]
+
+
+@pytest.mark.parametrize("graph", [_bias_added_to_the_input, _input_upstream_of_a_weight], ids=["bias", "upstream"])
+def test_modifying_an_input_gradient_between_the_passes_leaves_the_weights_alone(graph) -> None:
+    def run(split: bool):
+        torch.manual_seed(SEED)
+        out, x, weights = graph()
+        grad = torch.randn_like(out)
+        if not split:
+            x.retain_grad()
+            torch.autograd.backward(out, grad)
+            return [x.grad], [w.grad for w in weights]
+        (dx,), state = torch_ext.backward_input(out, grad, [x], weights)
+        returned = dx.clone()
+        dx.mul_(0.5)  # e.g. scaled in place before it is sent to the previous stage
+        torch_ext.backward_weight(state)
+        return [returned], [w.grad for w in weights]
+
+    (stock_dx, stock_weights), (dx, weight_grads) = run(split=False), run(split=True)
+    assert_same(dx, stock_dx, "input gradient")
+    assert_same(weight_grads, stock_weights, "weight .grad")
+
+
+def test_two_threads_resuming_one_state_run_its_weight_pass_once() -> None:
+    """backward_weight releases the GIL: of two threads resuming one state, exactly one runs it."""
+    import threading
+
+    def resume(state, start: threading.Barrier, outcomes: list[str]) -> None:
+        start.wait()
+        try:
+            torch_ext.backward_weight(state)
+            outcomes.append("ran")
+        except RuntimeError as error:
+            outcomes.append(str(error))
+
+    for _ in range(50):
+        torch.manual_seed(SEED)
+        lin = nn.Linear(16, 16)
+        x = torch.randn(4, 16, requires_grad=True)
+        out = torch.tanh(lin(x))
+        _, state = torch_ext.backward_input(out, torch.ones_like(out), [x], list(lin.parameters()))
+        start = threading.Barrier(2)
+        outcomes: list[str] = []
+        threads = [threading.Thread(target=resume, args=(state, start, outcomes)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(outcomes) == 2 and outcomes.count("ran") == 1, outcomes
+        assert "this state was already resumed" in next(o for o in outcomes if o != "ran")
+        stock = torch.autograd.grad(torch.tanh(lin(x)), list(lin.parameters()), torch.ones_like(out))
+        assert_same([p.grad for p in lin.parameters()], list(stock), "weight .grad")
+
+
+def test_an_output_that_is_an_input_upstream_of_a_weight() -> None:
+    """The single root is the input's node, in the weight subgraph: the input pass still delivers the
+    root gradient to it, for the capture."""
+
+    def run(split: bool):
+        torch.manual_seed(SEED)
+        lin0 = nn.Linear(5, 5)
+        h = lin0(torch.randn(3, 5, requires_grad=True))
+        h.register_hook(lambda grad: grad * 2)
+        grad = torch.randn_like(h)
+        if not split:
+            h.retain_grad()
+            torch.autograd.backward(h, grad)
+            return [h.grad] + [p.grad for p in lin0.parameters()]
+        (dh,), state = torch_ext.backward_input(h, grad, [h], list(lin0.parameters()))
+        torch_ext.backward_weight(state)
+        return [dh] + [p.grad for p in lin0.parameters()]
 
     assert_same(run(split=True), run(split=False), "gradient")
