@@ -196,6 +196,10 @@ class InputPass final : public SplitPass {
 
   void build_plan(GraphPlan& plan, std::unordered_set<Node*>* nodes_in_graph)
       override {
+    // The weight pass copies its priorities, with their sources, from this
+    // plan: record the sources even when this pass is not traced, so a
+    // traced weight pass still says where its priorities came from.
+    plan.record_priority_sources = true;
     discover_graph(
         plan,
         roots_,

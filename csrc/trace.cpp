@@ -85,7 +85,7 @@ void start() {
   session_active = true;
   finished_calls.clear();
   current_session.fetch_add(1);
-  detail::tracing_on.store(true, std::memory_order_relaxed);
+  detail::tracing_on.store(true, std::memory_order_release);
 }
 
 void stop() {

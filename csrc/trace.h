@@ -82,7 +82,9 @@ extern std::atomic<bool> tracing_on;
 } // namespace detail
 
 inline bool enabled() {
-  return detail::tracing_on.load(std::memory_order_relaxed);
+  // Acquire, paired with start()'s release: a call that sees tracing on also
+  // sees the session it belongs to (free on x86).
+  return detail::tracing_on.load(std::memory_order_acquire);
 }
 
 // CLOCK_MONOTONIC in nanoseconds (steady_clock).

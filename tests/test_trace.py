@@ -359,3 +359,32 @@ def test_plot_timelines_takes_foreign_events(tmp_path):
     path = tmp_path / "rows.png"
     plot_timelines([("stock", stock), ("torch_ext", t.events), ("empty", [])], path, title="two engines")
     assert path.stat().st_size > 10_000
+
+
+def test_weight_pass_says_where_its_priorities_came_from_when_only_it_is_traced():
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 3, requires_grad=True)
+    hidden = x @ w
+    torch_ext.set_priority(hidden, 7)
+    loss = hidden.tanh().sum()
+    _, state = torch_ext.backward_input(loss, None, [x], [w])  # not traced
+    with torch_ext.trace() as t:
+        torch_ext.backward_weight(state)
+    sources = {event["name"]: (event["priority"], event["priority_from"]) for event in kinds(t.events, "node")}
+    assert sources["MmBackward0"] == (7, "set_priority"), sources
+
+
+def test_launch_wait_pairs_follow_ids_in_a_filtered_event_list():
+    from torch_ext.tracing import _launch_wait_pairs
+
+    events = [
+        {"id": 0, "kind": "backward", "name": "backward", "start_ns": 0, "end_ns": 10},
+        {"id": 1, "kind": "node", "name": "launch", "start_ns": 1, "end_ns": 2, "collective": True},
+        {"id": 2, "kind": "node", "name": "other", "start_ns": 2, "end_ns": 3},
+        {"id": 3, "kind": "collective_wait", "name": "wait", "start_ns": 4, "end_ns": 5, "wait_for": 1},
+    ]
+    without_call = [event for event in events if event["kind"] != "backward"]
+    assert [(launch["name"], wait["name"]) for launch, wait in _launch_wait_pairs(without_call)] == [("launch", "wait")]
+    # Events built elsewhere without ids: wait_for is a position.
+    anonymous = [{k: v for k, v in event.items() if k != "id"} for event in events]
+    assert [(launch["name"], wait["name"]) for launch, wait in _launch_wait_pairs(anonymous)] == [("launch", "wait")]

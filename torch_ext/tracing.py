@@ -213,11 +213,15 @@ def chrome_trace(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _launch_wait_pairs(events: Sequence[dict[str, Any]]) -> list[tuple[dict, dict]]:
+    # wait_for names the launch's "id"; a list without ids (built by other code) is indexed by position.
+    by_id = {event["id"]: event for event in events if isinstance(event.get("id"), int)}
+    if not by_id:
+        by_id = dict(enumerate(events))
     pairs = []
     for event in events:
-        launch = event.get("wait_for")
-        if event.get("kind") == "collective_wait" and isinstance(launch, int) and 0 <= launch < len(events):
-            pairs.append((events[launch], event))
+        launch = by_id.get(event.get("wait_for")) if event.get("kind") == "collective_wait" else None
+        if launch is not None:
+            pairs.append((launch, event))
     return pairs
 
 
