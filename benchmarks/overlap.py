@@ -52,9 +52,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
+import queue as queue_module
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -77,6 +80,8 @@ WORLD_SIZE = 2
 # layers' backward on one core here, and the HTB shaper (not memcpy) sets the transfer time.
 LINK_RATE = "1gbit"
 NETNS_PREFIX = "torch_ext_overlap"
+# How often run_ranks checks whether a rank has died while waiting for the result.
+RESULT_POLL_S = 5.0
 
 BATCH = 256
 FEATURES = 16  # embedding lookups per sample
@@ -245,14 +250,18 @@ def _run_rank(rank: int, port: int, config: Config, queue) -> None:
                 elapsed = _step(model, inputs, variant, dim)
                 if rep >= config.warmup:
                     times[variant].append(elapsed)
-        if config.timeline_png is not None:
-            timelines = _traced_timelines(model, inputs)
-            if rank == 0:
-                _write_timelines(timelines, config.timeline_png, dense_layers, dim)
+        timelines = _traced_timelines(model, inputs) if config.timeline_png is not None else None
         # The step takes as long as its slowest rank.
         gathered: list = [None] * WORLD_SIZE
         dist.all_gather_object(gathered, times)
         if rank == 0:
+            # After the last collective, and never fatal: a failure here must not leave the other rank
+            # waiting in a collective, nor lose the timings.
+            if timelines is not None:
+                try:
+                    _write_timelines(timelines, config.timeline_png, dense_layers, dim)
+                except Exception as error:  # noqa: BLE001 - the picture is optional
+                    progress(f"overlap: warning: could not write the timeline {config.timeline_png}: {error!r}")
             slowest = {
                 variant: [max(rank_times[variant][i] for rank_times in gathered) for i in range(config.reps)]
                 for variant in VARIANTS
@@ -419,16 +428,41 @@ def run_ranks(config: Config) -> dict:
     for process in ranks:
         process.start()
     try:
-        result = queue.get(timeout=1800)
-    finally:
+        result = _wait_for_result(queue, ranks)
         for process in ranks:
             process.join(timeout=60)
-            if process.exitcode is None:
+    finally:
+        # On an error (a rank failed, Ctrl-C): the others may be blocked in a collective with it.
+        for process in ranks:
+            if process.is_alive():
+                process.terminate()
+        for process in ranks:
+            process.join(timeout=10)
+            if process.is_alive():
                 process.kill()
+                process.join()
     failed = [rank for rank, process in enumerate(ranks) if process.exitcode != 0]
     if failed:
-        raise RuntimeError(f"ranks {failed} failed")
+        raise RuntimeError(f"ranks {failed} failed (exit codes {[ranks[rank].exitcode for rank in failed]})")
     return result
+
+
+def _wait_for_result(queue, ranks) -> dict:
+    """Rank 0's result; raises as soon as a rank has exited with an error (or all have, without one)."""
+    while True:
+        try:
+            return queue.get(timeout=RESULT_POLL_S)
+        except queue_module.Empty:
+            pass
+        failed = [rank for rank, process in enumerate(ranks) if process.exitcode not in (None, 0)]
+        if failed:
+            codes = [ranks[rank].exitcode for rank in failed]
+            raise RuntimeError(f"ranks {failed} failed (exit codes {codes}); their errors are above")
+        if all(process.exitcode is not None for process in ranks):
+            try:
+                return queue.get(timeout=RESULT_POLL_S)
+            except queue_module.Empty:
+                raise RuntimeError("every rank exited without a result") from None
 
 
 # --- the rate-limited network namespace --------------------------------------------------------
@@ -461,6 +495,29 @@ def make_rate_limited_netns() -> tuple[str | None, str]:
         delete_netns(name)
         return None, f"shaping the namespace's loopback failed: {error.stderr.strip()}"
     return name, ""
+
+
+def run_forwarding_signals(command: list[str]) -> int:
+    """Runs ``command`` to its end, passing SIGINT and SIGTERM on to it, and returns its exit status.
+
+    So that a SIGTERM (or a SIGINT sent to this process alone) stops the benchmark run inside the
+    namespace the way Ctrl-C does, and this process still gets to delete the namespace afterwards.
+    """
+    child = subprocess.Popen(command)
+
+    def forward(signum, frame) -> None:
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def delete_netns(name: str) -> None:
@@ -499,6 +556,10 @@ def report(result: dict, link: str, out: str) -> list[tuple[str, Summary, float,
     return table
 
 
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller payload, fewer repetitions (~1 min)")
@@ -511,6 +572,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps is not None and args.reps < 2:
         parser.error("--reps must be at least 2 (percentiles need two samples)")
+    # SIGTERM (bench stopped, a CI job cancelled) cleans up as Ctrl-C does: run_ranks stops the ranks,
+    # and the namespace is deleted.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
 
     if args.inside_netns is None and not args.no_netns:
         netns, why_not = make_rate_limited_netns()
@@ -518,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
             forwarded = sys.argv[1:] if argv is None else argv
             try:
                 command = [sys.executable, os.path.abspath(__file__), *forwarded, "--inside-netns", LINK_RATE]
-                return subprocess.run(["ip", "netns", "exec", netns, *command], check=False).returncode
+                return run_forwarding_signals(["ip", "netns", "exec", netns, *command])
             finally:
                 delete_netns(netns)
         progress(
@@ -529,10 +593,12 @@ def main(argv: list[str] | None = None) -> int:
 
     timeline_png = None
     if args.timeline is not None:
-        if hasattr(torch_ext, "trace"):
-            timeline_png = os.path.abspath(args.timeline)
-        else:
+        if not hasattr(torch_ext, "trace"):
             progress("overlap: --timeline skipped: this torch_ext has no torch_ext.trace() to record its timeline")
+        elif importlib.util.find_spec("matplotlib") is None:
+            progress("overlap: --timeline skipped: matplotlib is not installed (pip install 'torch_ext[bench]')")
+        else:
+            timeline_png = os.path.abspath(args.timeline)
     config = Config(
         payload_mib=args.payload_mib or (2.0 if args.quick else 4.0),
         reps=args.reps or (8 if args.quick else 30),

@@ -279,3 +279,16 @@ def test_overlap_timeline_of_stock_and_torch_ext(tmp_path):
     stock_last_addmm, ext_last_addmm = last_addmms
     assert stock_launch > stock_last_addmm
     assert ext_launch < ext_last_addmm
+
+
+@pytest.mark.distributed
+def test_run_ranks_reports_failed_ranks_promptly(monkeypatch):
+    monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
+    import overlap
+
+    # No calibration samples: both ranks fail at once (statistics.median of nothing).
+    config = overlap.Config(payload_mib=0.1, reps=2, warmup=0, calibration_reps=0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] failed|ranks \[[01]\] failed"):
+        overlap.run_ranks(config)
+    assert time.monotonic() - start < 60
