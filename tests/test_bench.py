@@ -292,3 +292,45 @@ def test_run_ranks_reports_failed_ranks_promptly(monkeypatch):
     with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] failed|ranks \[[01]\] failed"):
         overlap.run_ranks(config)
     assert time.monotonic() - start < 60
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state
+
+
+def test_sigterm_to_bench_stops_the_benchmark_and_its_children(tmp_path):
+    # A benchmark that spawns a child (as overlap.py spawns its ranks) and runs until stopped.
+    script = tmp_path / "sleeper.py"
+    pids = tmp_path / "pids"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+        "time.sleep(120)\n"
+    )
+    driver = (
+        "import sys; from pathlib import Path; from torch_ext import bench\n"
+        f"sys.exit(bench.run_all([bench.Benchmark('sleeper', Path({str(script)!r}))], Path({str(tmp_path / 'out')!r}), True))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, "-c", driver], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.is_file() and len(pids.read_text().split()) == 2):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.1)
+        process.terminate()
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0
+    for pid in map(int, pids.read_text().split()):
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), pid

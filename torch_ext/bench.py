@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ POLL_S = 0.5
 HEARTBEAT_S = 30.0
 # What a failed benchmark's message quotes from its log.
 FAILURE_LOG_LINES = 20
+# How long a stopped benchmark gets to clean up after SIGINT before its process group is killed.
+STOP_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -189,20 +192,22 @@ def run_benchmark(benchmark: Benchmark, folder: Path, quick: bool, progress) -> 
     progress.start(benchmark.name)
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        process = subprocess.Popen(benchmark.command(folder, quick), stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Its own session and process group (with the ranks overlap.py spawns), so that stopping it reaches
+        # all of them, however bench itself was stopped.
+        process = subprocess.Popen(
+            benchmark.command(folder, quick),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
             while process.poll() is None:
                 time.sleep(POLL_S)
                 lines = _log_lines(log_path)
                 progress.running(benchmark.name, time.perf_counter() - started, lines[-1] if lines else "")
         except BaseException:
-            # Ctrl-C reached the script too (same process group); give it the time to clean up (overlap.py
-            # deletes its network namespace) before killing it.
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_process_group(process)
             raise
     elapsed = time.perf_counter() - started
     outcome = Outcome(benchmark.name, process.returncode, elapsed, log_path, folder / f"{benchmark.name}.csv")
@@ -210,15 +215,45 @@ def run_benchmark(benchmark: Benchmark, folder: Path, quick: bool, progress) -> 
     return outcome
 
 
+def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGINT to the benchmark's process group, as Ctrl-C would send; SIGKILL if it is not done in ``grace_s``.
+
+    The grace lets the script clean up (overlap.py stops its ranks and deletes its network namespace).
+    """
+    try:
+        os.killpg(process.pid, signal.SIGINT)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    # The group may outlive its leader (ranks still stopping): kill what is left of it.
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_all(benchmarks: Sequence[Benchmark], folder: Path, quick: bool) -> int:
     """Runs the benchmarks, writes the summary and plots into ``folder``; 0 unless a benchmark failed."""
     folder.mkdir(parents=True, exist_ok=True)
     progress = make_progress(len(benchmarks))
     outcomes = []
+    # SIGTERM (a CI job cancelled, kill) stops the running benchmark as Ctrl-C does, rather than orphaning it.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if in_main_thread else None
     try:
         for benchmark in benchmarks:
             outcomes.append(run_benchmark(benchmark, folder, quick, progress))
     finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm if previous_sigterm is not None else signal.SIG_DFL)
         progress.close()
 
     rows = summarize_folder(folder, [outcome.name for outcome in outcomes if outcome.status == "ok"])
