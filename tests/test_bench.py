@@ -334,3 +334,44 @@ def test_sigterm_to_bench_stops_the_benchmark_and_its_children(tmp_path):
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(pid), pid
+
+
+def test_split_backward_summary_uses_the_paired_ratios(tmp_path, monkeypatch):
+    stage = "6x(256->1024)/t256"
+    split = [("stock_full", "s", stage, "dI+dW_ms", 40, 39, 41), ("stock_full", "s", stage, "peak_full_mb", 2, 2, 2)]
+    # dI+dW_ms is the median of the per-repetition totals, not the sum of the passes' medians.
+    for variant, d_input, d_weight, total in (("pipelining", 22, 22, 46), ("torch_ext", 20, 18, 39)):
+        split += [
+            (variant, "s", stage, "dI+dW_ms", total, 0, 0),
+            (variant, "s", stage, "dI_ms", d_input, 0, 0),
+            (variant, "s", stage, "dW_ms", d_weight, 0, 0),
+            (variant, "s", stage, "peak_dI_mb", 1, 0, 0),
+            (variant, "s", stage, "peak_dW_mb", 1, 0, 0),
+            (variant, "s", stage, "held_after_dI_mb", 1, 0, 0),
+        ]
+    split += [
+        ("torch_ext dI / stock full", "s", stage, "ratio", 0.53, 0.5, 0.56),
+        ("torch_ext dI+dW / stock full", "s", stage, "ratio", 0.96, 0.9, 1.0),
+        ("pipelining dI+dW / stock full", "s", stage, "ratio", 1.12, 1.1, 1.2),
+        ("torch_ext dI / pipelining dI", "s", stage, "ratio", 0.9, 0, 0),
+        ("torch_ext dW / pipelining dW", "s", stage, "ratio", 0.8, 0, 0),
+    ]
+    write_rows(tmp_path / "split_backward.csv", split)
+    rows = {row.variant: row for row in bench.summarize_folder(tmp_path, ["split_backward"])}
+    assert rows["torch_ext"].values["dI/full"] == 0.53
+    assert rows["torch_ext"].values["(dI+dW)/full"] == 0.96
+    assert rows["pipelining"].values["(dI+dW)/full"] == 1.12
+    # No paired row for pipelining's dI: the ratio of the medians.
+    assert rows["pipelining"].values["dI/full"] == 22 / 40
+    assert "dI+dW 0.96" in rows["torch_ext"].ratio
+    # The plot draws the same numbers.
+    drawn = []
+    real_bar_chart = bench._bar_chart
+
+    def recording_bar_chart(ax, labels, series, ylabel, line):
+        drawn.append(series)
+        real_bar_chart(ax, labels, series, ylabel, line)
+
+    monkeypatch.setattr(bench, "_bar_chart", recording_bar_chart)
+    bench.write_plots(tmp_path, list(rows.values()))
+    assert drawn == [{"pipelining": [22 / 40, 22 / 40, 1.12], "torch_ext": [0.53, 18 / 40, 0.96]}]

@@ -380,7 +380,16 @@ def overlap_summary(rows: dict) -> list[SummaryRow]:
 SPLIT_VARIANTS = ("pipelining", "torch_ext")
 
 
+def _split_ratio(rows: dict, case: str, label: str, fallback: float) -> float:
+    """The median of split_backward.py's paired ratio ``label`` (per repetition, as it reports it); without
+    that row, ``fallback`` (a ratio of medians)."""
+    row = rows.get((label, case, "ratio"))
+    return fallback if row is None else row["median"]
+
+
 def split_backward_summary(rows: dict) -> list[SummaryRow]:
+    """dI/full and (dI+dW)/full are split_backward.py's paired ratios where it writes them ("torch_ext dI /
+    stock full", "<variant> dI+dW / stock full"), else ratios of the medians; dW/full is a ratio of medians."""
     summary = []
     for case in _cases(rows, "dI+dW_ms"):
         full = rows[("stock_full", case, "dI+dW_ms")]["median"]
@@ -390,9 +399,11 @@ def split_backward_summary(rows: dict) -> list[SummaryRow]:
             d_weight = rows[(variant, case, "dW_ms")]["median"]
             peak = max(rows[(variant, case, f"peak_{p}_mb")]["median"] for p in ("dI", "dW"))
             values = {
-                "dI/full": d_input / full,
+                "dI/full": _split_ratio(rows, case, f"{variant} dI / stock full", d_input / full),
                 "dW/full": d_weight / full,
-                "(dI+dW)/full": (d_input + d_weight) / full,
+                "(dI+dW)/full": _split_ratio(
+                    rows, case, f"{variant} dI+dW / stock full", rows[(variant, case, "dI+dW_ms")]["median"] / full
+                ),
                 "peak_mb": peak,
                 "stock_full_peak_mb": stock_peak,
                 "held_after_dI_mb": rows[(variant, case, "held_after_dI_mb")]["median"],
