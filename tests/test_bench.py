@@ -375,3 +375,28 @@ def test_split_backward_summary_uses_the_paired_ratios(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "_bar_chart", recording_bar_chart)
     bench.write_plots(tmp_path, list(rows.values()))
     assert drawn == [{"pipelining": [22 / 40, 22 / 40, 1.12], "torch_ext": [0.53, 18 / 40, 0.96]}]
+
+
+def test_an_earlier_runs_files_are_not_reported_as_this_runs(tmp_path, capfd):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    stale = ["overlap.csv", "overlap.png", "overlap_timeline.png", "overlap_timeline.json"]
+    for name in stale:
+        (folder / name).write_text("from an earlier run")
+    # Exits 0 without writing its CSV, as a benchmark that skips itself.
+    script = tmp_path / "skipping.py"
+    script.write_text("print('skipped: nothing to measure here')\n")
+    benchmark = bench.Benchmark("overlap", script, bench.EXTRA_OUTPUTS["overlap"])
+    assert bench.run_all([benchmark], folder, quick=True) == 0
+    out = capfd.readouterr().out
+    assert "overlap: skipped" in out
+    assert "overlap_timeline.png" not in out
+    for name in stale:
+        assert not (folder / name).exists(), name
+
+
+def test_fresh_folder_adds_a_suffix_when_the_folder_exists(tmp_path):
+    path = tmp_path / "results" / "bench-x"
+    assert bench.fresh_folder(path) == path and path.is_dir()
+    assert bench.fresh_folder(path) == path.with_name("bench-x-2")
+    assert bench.fresh_folder(path) == path.with_name("bench-x-3")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.resources
+import itertools
 import os
 import signal
 import subprocess
@@ -56,6 +57,19 @@ class Benchmark:
         for option, file_name in self.extra_outputs:
             command += [option, str(folder / file_name)]
         return command
+
+    def extra_files(self, folder: Path) -> list[Path]:
+        """Its extra outputs, with the events a timeline PNG is written with (same name, ``.json``)."""
+        files = []
+        for _, file_name in self.extra_outputs:
+            files.append(folder / file_name)
+            if file_name.endswith(".png"):
+                files.append((folder / file_name).with_suffix(".json"))
+        return files
+
+    def outputs(self, folder: Path) -> list[Path]:
+        """Every file in ``folder`` that running it (and summarizing it) writes."""
+        return [folder / f"{self.name}{suffix}" for suffix in (".csv", ".log", ".png")] + self.extra_files(folder)
 
 
 def benchmarks_dir() -> Path:
@@ -189,6 +203,9 @@ def run_benchmark(benchmark: Benchmark, folder: Path, quick: bool, progress) -> 
     log_path = folder / f"{benchmark.name}.log"
     # Unbuffered, so the log shows the script's lines as they come and in the order printed.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # An earlier run's files in the same folder must not pass for this run's (a CSV makes it "ok").
+    for path in benchmark.outputs(folder):
+        path.unlink(missing_ok=True)
     progress.start(benchmark.name)
     started = time.perf_counter()
     with open(log_path, "w") as log:
@@ -266,7 +283,14 @@ def run_all(benchmarks: Sequence[Benchmark], folder: Path, quick: bool) -> int:
     write_summary(folder, rows, outcomes, quick)
     plots = write_plots(folder, rows)
     # The benchmarks' own pictures (the overlap timelines), where they wrote them.
-    plots += [folder / name for options in EXTRA_OUTPUTS.values() for _, name in options if (folder / name).exists()]
+    by_name = {benchmark.name: benchmark for benchmark in benchmarks}
+    plots += [
+        path
+        for outcome in outcomes
+        if outcome.status == "ok"
+        for path in by_name[outcome.name].extra_files(folder)
+        if path.suffix == ".png" and path.exists()
+    ]
 
     failed = [o for o in outcomes if o.status == "failed"]
     for outcome in failed:
@@ -599,6 +623,18 @@ def write_plots(folder: Path, rows: Sequence[SummaryRow]) -> list[Path]:
 # --- command line -----------------------------------------------------------------------------------
 
 
+def fresh_folder(path: Path) -> Path:
+    """Creates ``path``, or ``path-2``, ``path-3``... if it exists (two runs in the same second)."""
+    candidate = path
+    for suffix in itertools.count(2):
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            candidate = path.with_name(f"{path.name}-{suffix}")
+    raise AssertionError("unreachable")
+
+
 def default_folder(quick: bool) -> Path:
     """``results/bench-<UTC time>-<git sha or 'nogit'>[-quick]`` under the working directory."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -643,5 +679,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         unknown = [name for name in names if name not in available]
         if unknown or not names:
             parser.error(f"--only {args.only!r}: choose from {', '.join(BENCHMARK_NAMES)}")
-    folder = args.out if args.out is not None else default_folder(args.quick)
+    folder = args.out if args.out is not None else fresh_folder(default_folder(args.quick))
     return run_all([available[name] for name in names], folder, args.quick)
