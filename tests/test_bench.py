@@ -203,15 +203,17 @@ def test_stock_backward_events_in_the_trace_format(monkeypatch):
         "torch::autograd::AccumulateGrad",
     ]
     assert [e["sequence_nr"] for e in nodes[:3]] == sorted((e["sequence_nr"] for e in nodes[:3]), reverse=True)
-    assert nodes[3]["sequence_nr"] == 2**64 - 1
+    # AccumulateGrad has none: -1, as in torch_ext.trace()'s events (not UINT64_MAX).
+    assert nodes[3]["sequence_nr"] == -1
+    assert [e["id"] for e in events] == list(range(len(events)))
     # On perf_counter_ns's clock: inside the backward call, one after the other.
     assert start <= backward["start_ns"] <= nodes[0]["start_ns"]
     assert nodes[-1]["end_ns"] <= backward["end_ns"] <= end
     for earlier, later in itertools.pairwise(nodes):
         assert earlier["start_ns"] < earlier["end_ns"] <= later["start_ns"]
     assert set(events[0]) == {
-        "kind", "name", "sequence_nr", "priority", "priority_from", "start_ns", "end_ns", "thread", "backward_id",
-        "collective", "wait_for",
+        "id", "kind", "name", "sequence_nr", "priority", "priority_from", "priority_origin", "start_ns", "end_ns",
+        "thread", "backward_id", "collective", "wait_for",
     }  # fmt: skip
     assert not any(e["collective"] for e in events)
 
@@ -240,8 +242,13 @@ def test_stock_backward_events_mark_the_collective_and_its_wait(monkeypatch, sin
     assert collective[0]["sequence_nr"] == all_to_all_node._sequence_nr()
     (wait,) = [e for e in events if e["kind"] == "collective_wait"]
     assert wait["name"] == "_c10d_functional::wait_tensor"
-    # Stock waits inside the collective's own node.
-    assert wait["wait_for"] == all_to_all_node._sequence_nr()
+    # Stock waits inside the collective's own node; wait_for is that node's event's id, its index.
+    assert [e["id"] for e in events] == list(range(len(events)))
+    assert events[wait["wait_for"]] is collective[0]
+    assert wait["sequence_nr"] == all_to_all_node._sequence_nr()
+    from torch_ext.tracing import _launch_wait_pairs
+
+    assert _launch_wait_pairs(events) == [(collective[0], wait)]
     assert collective[0]["start_ns"] <= wait["start_ns"] <= wait["end_ns"] <= collective[0]["end_ns"]
     nodes = [e["name"] for e in events if e["kind"] == "node"]
     assert nodes.index("ReluBackward0") < nodes.index(all_to_all_node.name()) < nodes.index("MulBackward0")
