@@ -1,6 +1,7 @@
 """`python -m torch_ext bench`: the command end to end on one benchmark, the summary of each
 benchmark's CSV, failures, and the stock timeline of benchmarks/overlap.py."""
 
+import argparse
 import csv
 import itertools
 import json
@@ -407,3 +408,30 @@ def test_fresh_folder_adds_a_suffix_when_the_folder_exists(tmp_path):
     assert bench.fresh_folder(path) == path and path.is_dir()
     assert bench.fresh_folder(path) == path.with_name("bench-x-2")
     assert bench.fresh_folder(path) == path.with_name("bench-x-3")
+
+
+def test_only_rejects_an_empty_selection(tmp_path):
+    result = run_cli("bench", "--only", " , ", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "selects no benchmark" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_runs_each_benchmark_once(monkeypatch, tmp_path):
+    ran = []
+    monkeypatch.setattr(bench, "run_all", lambda benchmarks, folder, quick: ran.append([b.name for b in benchmarks]))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    bench.run(parser.parse_args(["--only", "overlap,engine_overhead,overlap", "--out", str(tmp_path)]), parser)
+    assert ran == [["overlap", "engine_overhead"]]
+
+
+def test_git_sha_ignores_a_repository_around_an_installed_package(monkeypatch, tmp_path):
+    # A wheel installed into a virtualenv inside some other project's repository.
+    package = tmp_path / "project" / ".venv" / "site-packages" / "torch_ext"
+    package.mkdir(parents=True)
+    git = ["git", "-C", str(tmp_path / "project"), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(tmp_path / "project")], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "project"], check=True)
+    monkeypatch.setattr(bench, "__file__", str(package / "bench.py"))
+    assert bench._git_sha() == "nogit"

@@ -642,18 +642,24 @@ def default_folder(quick: bool) -> Path:
 
 
 def _git_sha() -> str:
-    """The short sha of the checkout torch_ext is imported from; 'nogit' when installed from a wheel."""
+    """The short sha of the checkout torch_ext is imported from; 'nogit' when installed from a wheel.
+
+    Only a repository whose top level is the package's parent directory is the package's checkout: an
+    installed wheel may sit inside some other repository (a virtualenv in a project's tree).
+    """
+    package_dir = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=package_dir, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != package_dir.parent:
+            return "nogit"
+        return git("rev-parse", "--short", "HEAD") or "nogit"
     except (OSError, subprocess.CalledProcessError):
         return "nogit"
-    return result.stdout.strip() or "nogit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -674,10 +680,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     available = all_benchmarks()
     names = BENCHMARK_NAMES
-    if args.only:
-        names = tuple(name.strip() for name in args.only.split(",") if name.strip())
+    if args.only is not None:
+        # Each once, in the order given.
+        names = tuple(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))
+        if not names:
+            parser.error(f"--only {args.only!r} selects no benchmark: choose from {', '.join(BENCHMARK_NAMES)}")
         unknown = [name for name in names if name not in available]
-        if unknown or not names:
-            parser.error(f"--only {args.only!r}: choose from {', '.join(BENCHMARK_NAMES)}")
+        if unknown:
+            parser.error(
+                f"--only {args.only!r}: unknown {', '.join(unknown)}; choose from {', '.join(BENCHMARK_NAMES)}"
+            )
     folder = args.out if args.out is not None else fresh_folder(default_folder(args.quick))
     return run_all([available[name] for name in names], folder, args.quick)
