@@ -587,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (bench stopped, a CI job cancelled) cleans up as Ctrl-C does: run_ranks stops the ranks,
     # and the namespace is deleted.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # And SIGINT (which bench sends to stop it) even if it was started with SIGINT ignored, as a shell
+    # starts background jobs: Python then leaves it ignored, and the namespace would never be deleted.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     if args.inside_netns is None and not args.no_netns:
         netns, why_not = make_rate_limited_netns()
