@@ -69,18 +69,22 @@ def summarize(samples: Sequence[float]) -> Summary:
 
 
 def git_sha() -> str:
-    """Short sha of the checkout this file lives in, or "unknown" (no git, not a checkout)."""
+    """Short sha of the checkout this file lives in, or "unknown" (no git, not a checkout).
+
+    The checkout's top level is this directory's parent (``benchmarks/`` in the checkout); installed as
+    ``torch_ext/benchmarks`` in site-packages, any repository around it is not torch_ext's.
+    """
+    directory = os.path.dirname(os.path.realpath(__file__))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.dirname(directory):
+            return "unknown"
+        return git("rev-parse", "--short", "HEAD") or "unknown"
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return result.stdout.strip() or "unknown"
 
 
 def csv_row(what: str, case: str, size: str, metric: str, summary: Summary, sha: str) -> dict[str, object]:

@@ -52,9 +52,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
+import queue as queue_module
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -77,6 +80,8 @@ WORLD_SIZE = 2
 # layers' backward on one core here, and the HTB shaper (not memcpy) sets the transfer time.
 LINK_RATE = "1gbit"
 NETNS_PREFIX = "torch_ext_overlap"
+# How often run_ranks checks whether a rank has died while waiting for the result.
+RESULT_POLL_S = 5.0
 
 BATCH = 256
 FEATURES = 16  # embedding lookups per sample
@@ -245,14 +250,18 @@ def _run_rank(rank: int, port: int, config: Config, queue) -> None:
                 elapsed = _step(model, inputs, variant, dim)
                 if rep >= config.warmup:
                     times[variant].append(elapsed)
-        if config.timeline_png is not None:
-            timelines = _traced_timelines(model, inputs)
-            if rank == 0:
-                _write_timelines(timelines, config.timeline_png, dense_layers, dim)
+        timelines = _traced_timelines(model, inputs) if config.timeline_png is not None else None
         # The step takes as long as its slowest rank.
         gathered: list = [None] * WORLD_SIZE
         dist.all_gather_object(gathered, times)
         if rank == 0:
+            # After the last collective, and never fatal: a failure here must not leave the other rank
+            # waiting in a collective, nor lose the timings.
+            if timelines is not None:
+                try:
+                    _write_timelines(timelines, config.timeline_png, dense_layers, dim)
+                except Exception as error:  # noqa: BLE001 - the picture is optional
+                    progress(f"overlap: warning: could not write the timeline {config.timeline_png}: {error!r}")
             slowest = {
                 variant: [max(rank_times[variant][i] for rank_times in gathered) for i in range(config.reps)]
                 for variant in VARIANTS
@@ -278,16 +287,18 @@ PROFILER_NODE_PREFIX = "autograd::engine::evaluate_function: "
 PROFILER_COLLECTIVE_PREFIX = "c10d::"
 # Where a functional collective blocks for its result (inside the collective's own backward node).
 PROFILER_WAIT_OPS = ("_c10d_functional::wait_tensor",)
-# Node._sequence_nr() of a node without one (AccumulateGrad); the profiler records -1.
-NO_SEQUENCE_NR = 2**64 - 1
+# Node._sequence_nr() of a node without one (AccumulateGrad) is UINT64_MAX; the trace format has -1.
+FIRST_INVALID_SEQUENCE_NR = 2**63
 
 
 def stock_backward_events(loss: torch.Tensor) -> list[dict]:
     """``loss.backward()`` on the stock engine, under torch.profiler, as a timeline in the event format
     of ``torch_ext.trace()``: one ``backward`` event for the call, one ``node`` event per node the
     engine ran (``collective`` when a process-group op ran inside it) and one ``collective_wait``
-    per functional collective's wait, with ``wait_for`` the sequence_nr of the collective node it
-    waits in. Stock has no priorities: ``priority`` is 0, ``priority_from`` None.
+    per functional collective's wait, with ``wait_for`` the ``id`` of the collective node's event it
+    waits in. Events are sorted by start (enclosing spans first) and ``id`` is the index in the list;
+    ``sequence_nr`` is -1 for nodes without one (AccumulateGrad). Stock has no priorities:
+    ``priority`` is 0, ``priority_from`` None.
 
     Times are on ``time.perf_counter_ns``'s clock, as torch_ext's: the profiler stamps events with
     wall-clock (Unix) time, so they are shifted by the two clocks' difference, read back to back.
@@ -313,40 +324,48 @@ def stock_backward_events(loss: torch.Tensor) -> list[dict]:
         return max(enclosing, key=lambda node: node.start_ns(), default=None)
 
     def sequence_nr(node) -> int:
-        return NO_SEQUENCE_NR if node.sequence_nr() < 0 else node.sequence_nr()
+        number = node.sequence_nr()
+        return -1 if number < 0 or number >= FIRST_INVALID_SEQUENCE_NR else number
 
     launched_in = {id(innermost_node(e)) for e in events if e.name().startswith(PROFILER_COLLECTIVE_PREFIX)}
     backward_thread = nodes[0].start_thread_id() if nodes else None
-    timeline = [_timeline_event("backward", "backward", None, start_ns, end_ns, backward_thread, False, None)]
+    timeline = [_timeline_event("backward", "backward", -1, start_ns, end_ns, backward_thread, False)]
+    event_of_node = {}
     for node in nodes:
-        timeline.append(
-            _timeline_event(
-                "node",
-                node.name().removeprefix(PROFILER_NODE_PREFIX),
-                sequence_nr(node),
-                node.start_ns() + to_perf_counter,
-                node.end_ns() + to_perf_counter,
-                node.start_thread_id(),
-                id(node) in launched_in,
-                None,
-            )
+        event = _timeline_event(
+            "node",
+            node.name().removeprefix(PROFILER_NODE_PREFIX),
+            sequence_nr(node),
+            node.start_ns() + to_perf_counter,
+            node.end_ns() + to_perf_counter,
+            node.start_thread_id(),
+            id(node) in launched_in,
         )
+        event_of_node[id(node)] = event
+        timeline.append(event)
+    # (wait event, the collective node's event it waits in, or None)
+    waits = []
     for wait in (e for e in events if e.name() in PROFILER_WAIT_OPS):
         node = innermost_node(wait)
-        waiting_in = None if node is None else sequence_nr(node)
-        timeline.append(
-            _timeline_event(
-                "collective_wait",
-                wait.name(),
-                waiting_in,
-                wait.start_ns() + to_perf_counter,
-                wait.end_ns() + to_perf_counter,
-                wait.start_thread_id(),
-                True,
-                waiting_in,
-            )
+        event = _timeline_event(
+            "collective_wait",
+            wait.name(),
+            -1 if node is None else sequence_nr(node),
+            wait.start_ns() + to_perf_counter,
+            wait.end_ns() + to_perf_counter,
+            wait.start_thread_id(),
+            True,
         )
-    return sorted(timeline, key=lambda event: event["start_ns"])
+        launch = event_of_node.get(id(node)) if node is not None else None
+        waits.append((event, launch if launch is not None and launch["collective"] else None))
+        timeline.append(event)
+    # As torch_ext.trace() orders its events: by start, enclosing spans first among equal starts.
+    timeline.sort(key=lambda event: (event["start_ns"], -event["end_ns"]))
+    for index, event in enumerate(timeline):
+        event["id"] = index
+    for event, launch in waits:
+        event["wait_for"] = None if launch is None else launch["id"]
+    return timeline
 
 
 def _perf_counter_minus_wall_clock_ns() -> int:
@@ -356,19 +375,21 @@ def _perf_counter_minus_wall_clock_ns() -> int:
     return (before + after) // 2 - wall
 
 
-def _timeline_event(kind, name, sequence_nr, start_ns, end_ns, thread, collective, wait_for) -> dict:
+def _timeline_event(kind, name, sequence_nr, start_ns, end_ns, thread, collective) -> dict:
     return {
+        "id": None,  # the index in the sorted list, set by stock_backward_events
         "kind": kind,
         "name": name,
         "sequence_nr": sequence_nr,
         "priority": 0,
         "priority_from": None,
+        "priority_origin": None,
         "start_ns": start_ns,
         "end_ns": end_ns,
         "thread": thread,
         "backward_id": 0,
         "collective": collective,
-        "wait_for": wait_for,
+        "wait_for": None,
     }
 
 
@@ -419,16 +440,41 @@ def run_ranks(config: Config) -> dict:
     for process in ranks:
         process.start()
     try:
-        result = queue.get(timeout=1800)
-    finally:
+        result = _wait_for_result(queue, ranks)
         for process in ranks:
             process.join(timeout=60)
-            if process.exitcode is None:
+    finally:
+        # On an error (a rank failed, Ctrl-C): the others may be blocked in a collective with it.
+        for process in ranks:
+            if process.is_alive():
+                process.terminate()
+        for process in ranks:
+            process.join(timeout=10)
+            if process.is_alive():
                 process.kill()
+                process.join()
     failed = [rank for rank, process in enumerate(ranks) if process.exitcode != 0]
     if failed:
-        raise RuntimeError(f"ranks {failed} failed")
+        raise RuntimeError(f"ranks {failed} failed (exit codes {[ranks[rank].exitcode for rank in failed]})")
     return result
+
+
+def _wait_for_result(queue, ranks) -> dict:
+    """Rank 0's result; raises as soon as a rank has exited with an error (or all have, without one)."""
+    while True:
+        try:
+            return queue.get(timeout=RESULT_POLL_S)
+        except queue_module.Empty:
+            pass
+        failed = [rank for rank, process in enumerate(ranks) if process.exitcode not in (None, 0)]
+        if failed:
+            codes = [ranks[rank].exitcode for rank in failed]
+            raise RuntimeError(f"ranks {failed} failed (exit codes {codes}); their errors are above")
+        if all(process.exitcode is not None for process in ranks):
+            try:
+                return queue.get(timeout=RESULT_POLL_S)
+            except queue_module.Empty:
+                raise RuntimeError("every rank exited without a result") from None
 
 
 # --- the rate-limited network namespace --------------------------------------------------------
@@ -461,6 +507,29 @@ def make_rate_limited_netns() -> tuple[str | None, str]:
         delete_netns(name)
         return None, f"shaping the namespace's loopback failed: {error.stderr.strip()}"
     return name, ""
+
+
+def run_forwarding_signals(command: list[str]) -> int:
+    """Runs ``command`` to its end, passing SIGINT and SIGTERM on to it, and returns its exit status.
+
+    So that a SIGTERM (or a SIGINT sent to this process alone) stops the benchmark run inside the
+    namespace the way Ctrl-C does, and this process still gets to delete the namespace afterwards.
+    """
+    child = subprocess.Popen(command)
+
+    def forward(signum, frame) -> None:
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def delete_netns(name: str) -> None:
@@ -499,6 +568,10 @@ def report(result: dict, link: str, out: str) -> list[tuple[str, Summary, float,
     return table
 
 
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller payload, fewer repetitions (~1 min)")
@@ -511,6 +584,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps is not None and args.reps < 2:
         parser.error("--reps must be at least 2 (percentiles need two samples)")
+    # SIGTERM (bench stopped, a CI job cancelled) cleans up as Ctrl-C does: run_ranks stops the ranks,
+    # and the namespace is deleted.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # And SIGINT (which bench sends to stop it) even if it was started with SIGINT ignored, as a shell
+    # starts background jobs: Python then leaves it ignored, and the namespace would never be deleted.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     if args.inside_netns is None and not args.no_netns:
         netns, why_not = make_rate_limited_netns()
@@ -518,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             forwarded = sys.argv[1:] if argv is None else argv
             try:
                 command = [sys.executable, os.path.abspath(__file__), *forwarded, "--inside-netns", LINK_RATE]
-                return subprocess.run(["ip", "netns", "exec", netns, *command], check=False).returncode
+                return run_forwarding_signals(["ip", "netns", "exec", netns, *command])
             finally:
                 delete_netns(netns)
         progress(
@@ -529,10 +608,12 @@ def main(argv: list[str] | None = None) -> int:
 
     timeline_png = None
     if args.timeline is not None:
-        if hasattr(torch_ext, "trace"):
-            timeline_png = os.path.abspath(args.timeline)
-        else:
+        if not hasattr(torch_ext, "trace"):
             progress("overlap: --timeline skipped: this torch_ext has no torch_ext.trace() to record its timeline")
+        elif importlib.util.find_spec("matplotlib") is None:
+            progress("overlap: --timeline skipped: matplotlib is not installed (pip install 'torch_ext[bench]')")
+        else:
+            timeline_png = os.path.abspath(args.timeline)
     config = Config(
         payload_mib=args.payload_mib or (2.0 if args.quick else 4.0),
         reps=args.reps or (8 if args.quick else 30),

@@ -1,6 +1,7 @@
 """`python -m torch_ext bench`: the command end to end on one benchmark, the summary of each
 benchmark's CSV, failures, and the stock timeline of benchmarks/overlap.py."""
 
+import argparse
 import csv
 import itertools
 import json
@@ -203,15 +204,17 @@ def test_stock_backward_events_in_the_trace_format(monkeypatch):
         "torch::autograd::AccumulateGrad",
     ]
     assert [e["sequence_nr"] for e in nodes[:3]] == sorted((e["sequence_nr"] for e in nodes[:3]), reverse=True)
-    assert nodes[3]["sequence_nr"] == 2**64 - 1
+    # AccumulateGrad has none: -1, as in torch_ext.trace()'s events (not UINT64_MAX).
+    assert nodes[3]["sequence_nr"] == -1
+    assert [e["id"] for e in events] == list(range(len(events)))
     # On perf_counter_ns's clock: inside the backward call, one after the other.
     assert start <= backward["start_ns"] <= nodes[0]["start_ns"]
     assert nodes[-1]["end_ns"] <= backward["end_ns"] <= end
     for earlier, later in itertools.pairwise(nodes):
         assert earlier["start_ns"] < earlier["end_ns"] <= later["start_ns"]
     assert set(events[0]) == {
-        "kind", "name", "sequence_nr", "priority", "priority_from", "start_ns", "end_ns", "thread", "backward_id",
-        "collective", "wait_for",
+        "id", "kind", "name", "sequence_nr", "priority", "priority_from", "priority_origin", "start_ns", "end_ns",
+        "thread", "backward_id", "collective", "wait_for",
     }  # fmt: skip
     assert not any(e["collective"] for e in events)
 
@@ -240,8 +243,13 @@ def test_stock_backward_events_mark_the_collective_and_its_wait(monkeypatch, sin
     assert collective[0]["sequence_nr"] == all_to_all_node._sequence_nr()
     (wait,) = [e for e in events if e["kind"] == "collective_wait"]
     assert wait["name"] == "_c10d_functional::wait_tensor"
-    # Stock waits inside the collective's own node.
-    assert wait["wait_for"] == all_to_all_node._sequence_nr()
+    # Stock waits inside the collective's own node; wait_for is that node's event's id, its index.
+    assert [e["id"] for e in events] == list(range(len(events)))
+    assert events[wait["wait_for"]] is collective[0]
+    assert wait["sequence_nr"] == all_to_all_node._sequence_nr()
+    from torch_ext.tracing import _launch_wait_pairs
+
+    assert _launch_wait_pairs(events) == [(collective[0], wait)]
     assert collective[0]["start_ns"] <= wait["start_ns"] <= wait["end_ns"] <= collective[0]["end_ns"]
     nodes = [e["name"] for e in events if e["kind"] == "node"]
     assert nodes.index("ReluBackward0") < nodes.index(all_to_all_node.name()) < nodes.index("MulBackward0")
@@ -279,3 +287,151 @@ def test_overlap_timeline_of_stock_and_torch_ext(tmp_path):
     stock_last_addmm, ext_last_addmm = last_addmms
     assert stock_launch > stock_last_addmm
     assert ext_launch < ext_last_addmm
+
+
+@pytest.mark.distributed
+def test_run_ranks_reports_failed_ranks_promptly(monkeypatch):
+    monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
+    import overlap
+
+    # No calibration samples: both ranks fail at once (statistics.median of nothing).
+    config = overlap.Config(payload_mib=0.1, reps=2, warmup=0, calibration_reps=0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] failed|ranks \[[01]\] failed"):
+        overlap.run_ranks(config)
+    assert time.monotonic() - start < 60
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state
+
+
+def test_sigterm_to_bench_stops_the_benchmark_and_its_children(tmp_path):
+    # A benchmark that spawns a child (as overlap.py spawns its ranks) and runs until stopped.
+    script = tmp_path / "sleeper.py"
+    pids = tmp_path / "pids"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+        "time.sleep(120)\n"
+    )
+    driver = (
+        "import sys; from pathlib import Path; from torch_ext import bench\n"
+        f"sys.exit(bench.run_all([bench.Benchmark('sleeper', Path({str(script)!r}))], Path({str(tmp_path / 'out')!r}), True))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, "-c", driver], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.is_file() and len(pids.read_text().split()) == 2):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.1)
+        process.terminate()
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0
+    for pid in map(int, pids.read_text().split()):
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), pid
+
+
+def test_split_backward_summary_uses_the_paired_ratios(tmp_path, monkeypatch):
+    stage = "6x(256->1024)/t256"
+    split = [("stock_full", "s", stage, "dI+dW_ms", 40, 39, 41), ("stock_full", "s", stage, "peak_full_mb", 2, 2, 2)]
+    # dI+dW_ms is the median of the per-repetition totals, not the sum of the passes' medians.
+    for variant, d_input, d_weight, total in (("pipelining", 22, 22, 46), ("torch_ext", 20, 18, 39)):
+        split += [
+            (variant, "s", stage, "dI+dW_ms", total, 0, 0),
+            (variant, "s", stage, "dI_ms", d_input, 0, 0),
+            (variant, "s", stage, "dW_ms", d_weight, 0, 0),
+            (variant, "s", stage, "peak_dI_mb", 1, 0, 0),
+            (variant, "s", stage, "peak_dW_mb", 1, 0, 0),
+            (variant, "s", stage, "held_after_dI_mb", 1, 0, 0),
+        ]
+    split += [
+        ("torch_ext dI / stock full", "s", stage, "ratio", 0.53, 0.5, 0.56),
+        ("torch_ext dI+dW / stock full", "s", stage, "ratio", 0.96, 0.9, 1.0),
+        ("pipelining dI+dW / stock full", "s", stage, "ratio", 1.12, 1.1, 1.2),
+        ("torch_ext dI / pipelining dI", "s", stage, "ratio", 0.9, 0, 0),
+        ("torch_ext dW / pipelining dW", "s", stage, "ratio", 0.8, 0, 0),
+    ]
+    write_rows(tmp_path / "split_backward.csv", split)
+    rows = {row.variant: row for row in bench.summarize_folder(tmp_path, ["split_backward"])}
+    assert rows["torch_ext"].values["dI/full"] == 0.53
+    assert rows["torch_ext"].values["(dI+dW)/full"] == 0.96
+    assert rows["pipelining"].values["(dI+dW)/full"] == 1.12
+    # No paired row for pipelining's dI: the ratio of the medians.
+    assert rows["pipelining"].values["dI/full"] == 22 / 40
+    assert "dI+dW 0.96" in rows["torch_ext"].ratio
+    # The plot draws the same numbers.
+    drawn = []
+    real_bar_chart = bench._bar_chart
+
+    def recording_bar_chart(ax, labels, series, ylabel, line):
+        drawn.append(series)
+        real_bar_chart(ax, labels, series, ylabel, line)
+
+    monkeypatch.setattr(bench, "_bar_chart", recording_bar_chart)
+    bench.write_plots(tmp_path, list(rows.values()))
+    assert drawn == [{"pipelining": [22 / 40, 22 / 40, 1.12], "torch_ext": [0.53, 18 / 40, 0.96]}]
+
+
+def test_an_earlier_runs_files_are_not_reported_as_this_runs(tmp_path, capfd):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    stale = ["overlap.csv", "overlap.png", "overlap_timeline.png", "overlap_timeline.json"]
+    for name in stale:
+        (folder / name).write_text("from an earlier run")
+    # Exits 0 without writing its CSV, as a benchmark that skips itself.
+    script = tmp_path / "skipping.py"
+    script.write_text("print('skipped: nothing to measure here')\n")
+    benchmark = bench.Benchmark("overlap", script, bench.EXTRA_OUTPUTS["overlap"])
+    assert bench.run_all([benchmark], folder, quick=True) == 0
+    out = capfd.readouterr().out
+    assert "overlap: skipped" in out
+    assert "overlap_timeline.png" not in out
+    for name in stale:
+        assert not (folder / name).exists(), name
+
+
+def test_fresh_folder_adds_a_suffix_when_the_folder_exists(tmp_path):
+    path = tmp_path / "results" / "bench-x"
+    assert bench.fresh_folder(path) == path and path.is_dir()
+    assert bench.fresh_folder(path) == path.with_name("bench-x-2")
+    assert bench.fresh_folder(path) == path.with_name("bench-x-3")
+
+
+def test_only_rejects_an_empty_selection(tmp_path):
+    result = run_cli("bench", "--only", " , ", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "selects no benchmark" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_runs_each_benchmark_once(monkeypatch, tmp_path):
+    ran = []
+    monkeypatch.setattr(bench, "run_all", lambda benchmarks, folder, quick: ran.append([b.name for b in benchmarks]))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    bench.run(parser.parse_args(["--only", "overlap,engine_overhead,overlap", "--out", str(tmp_path)]), parser)
+    assert ran == [["overlap", "engine_overhead"]]
+
+
+def test_git_sha_ignores_a_repository_around_an_installed_package(monkeypatch, tmp_path):
+    # A wheel installed into a virtualenv inside some other project's repository.
+    package = tmp_path / "project" / ".venv" / "site-packages" / "torch_ext"
+    package.mkdir(parents=True)
+    git = ["git", "-C", str(tmp_path / "project"), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(tmp_path / "project")], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "project"], check=True)
+    monkeypatch.setattr(bench, "__file__", str(package / "bench.py"))
+    assert bench._git_sha() == "nogit"

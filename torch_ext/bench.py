@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.resources
+import itertools
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +39,8 @@ POLL_S = 0.5
 HEARTBEAT_S = 30.0
 # What a failed benchmark's message quotes from its log.
 FAILURE_LOG_LINES = 20
+# How long a stopped benchmark gets to clean up after SIGINT before its process group is killed.
+STOP_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,19 @@ class Benchmark:
         for option, file_name in self.extra_outputs:
             command += [option, str(folder / file_name)]
         return command
+
+    def extra_files(self, folder: Path) -> list[Path]:
+        """Its extra outputs, with the events a timeline PNG is written with (same name, ``.json``)."""
+        files = []
+        for _, file_name in self.extra_outputs:
+            files.append(folder / file_name)
+            if file_name.endswith(".png"):
+                files.append((folder / file_name).with_suffix(".json"))
+        return files
+
+    def outputs(self, folder: Path) -> list[Path]:
+        """Every file in ``folder`` that running it (and summarizing it) writes."""
+        return [folder / f"{self.name}{suffix}" for suffix in (".csv", ".log", ".png")] + self.extra_files(folder)
 
 
 def benchmarks_dir() -> Path:
@@ -186,23 +203,28 @@ def run_benchmark(benchmark: Benchmark, folder: Path, quick: bool, progress) -> 
     log_path = folder / f"{benchmark.name}.log"
     # Unbuffered, so the log shows the script's lines as they come and in the order printed.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # An earlier run's files in the same folder must not pass for this run's (a CSV makes it "ok").
+    for path in benchmark.outputs(folder):
+        path.unlink(missing_ok=True)
     progress.start(benchmark.name)
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        process = subprocess.Popen(benchmark.command(folder, quick), stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Its own session and process group (with the ranks overlap.py spawns), so that stopping it reaches
+        # all of them, however bench itself was stopped.
+        process = subprocess.Popen(
+            benchmark.command(folder, quick),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
             while process.poll() is None:
                 time.sleep(POLL_S)
                 lines = _log_lines(log_path)
                 progress.running(benchmark.name, time.perf_counter() - started, lines[-1] if lines else "")
         except BaseException:
-            # Ctrl-C reached the script too (same process group); give it the time to clean up (overlap.py
-            # deletes its network namespace) before killing it.
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_process_group(process)
             raise
     elapsed = time.perf_counter() - started
     outcome = Outcome(benchmark.name, process.returncode, elapsed, log_path, folder / f"{benchmark.name}.csv")
@@ -210,15 +232,45 @@ def run_benchmark(benchmark: Benchmark, folder: Path, quick: bool, progress) -> 
     return outcome
 
 
+def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGINT to the benchmark's process group, as Ctrl-C would send; SIGKILL if it is not done in ``grace_s``.
+
+    The grace lets the script clean up (overlap.py stops its ranks and deletes its network namespace).
+    """
+    try:
+        os.killpg(process.pid, signal.SIGINT)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    # The group may outlive its leader (ranks still stopping): kill what is left of it.
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_all(benchmarks: Sequence[Benchmark], folder: Path, quick: bool) -> int:
     """Runs the benchmarks, writes the summary and plots into ``folder``; 0 unless a benchmark failed."""
     folder.mkdir(parents=True, exist_ok=True)
     progress = make_progress(len(benchmarks))
     outcomes = []
+    # SIGTERM (a CI job cancelled, kill) stops the running benchmark as Ctrl-C does, rather than orphaning it.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if in_main_thread else None
     try:
         for benchmark in benchmarks:
             outcomes.append(run_benchmark(benchmark, folder, quick, progress))
     finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm if previous_sigterm is not None else signal.SIG_DFL)
         progress.close()
 
     rows = summarize_folder(folder, [outcome.name for outcome in outcomes if outcome.status == "ok"])
@@ -231,7 +283,14 @@ def run_all(benchmarks: Sequence[Benchmark], folder: Path, quick: bool) -> int:
     write_summary(folder, rows, outcomes, quick)
     plots = write_plots(folder, rows)
     # The benchmarks' own pictures (the overlap timelines), where they wrote them.
-    plots += [folder / name for options in EXTRA_OUTPUTS.values() for _, name in options if (folder / name).exists()]
+    by_name = {benchmark.name: benchmark for benchmark in benchmarks}
+    plots += [
+        path
+        for outcome in outcomes
+        if outcome.status == "ok"
+        for path in by_name[outcome.name].extra_files(folder)
+        if path.suffix == ".png" and path.exists()
+    ]
 
     failed = [o for o in outcomes if o.status == "failed"]
     for outcome in failed:
@@ -345,7 +404,16 @@ def overlap_summary(rows: dict) -> list[SummaryRow]:
 SPLIT_VARIANTS = ("pipelining", "torch_ext")
 
 
+def _split_ratio(rows: dict, case: str, label: str, fallback: float) -> float:
+    """The median of split_backward.py's paired ratio ``label`` (per repetition, as it reports it); without
+    that row, ``fallback`` (a ratio of medians)."""
+    row = rows.get((label, case, "ratio"))
+    return fallback if row is None else row["median"]
+
+
 def split_backward_summary(rows: dict) -> list[SummaryRow]:
+    """dI/full and (dI+dW)/full are split_backward.py's paired ratios where it writes them ("torch_ext dI /
+    stock full", "<variant> dI+dW / stock full"), else ratios of the medians; dW/full is a ratio of medians."""
     summary = []
     for case in _cases(rows, "dI+dW_ms"):
         full = rows[("stock_full", case, "dI+dW_ms")]["median"]
@@ -355,9 +423,11 @@ def split_backward_summary(rows: dict) -> list[SummaryRow]:
             d_weight = rows[(variant, case, "dW_ms")]["median"]
             peak = max(rows[(variant, case, f"peak_{p}_mb")]["median"] for p in ("dI", "dW"))
             values = {
-                "dI/full": d_input / full,
+                "dI/full": _split_ratio(rows, case, f"{variant} dI / stock full", d_input / full),
                 "dW/full": d_weight / full,
-                "(dI+dW)/full": (d_input + d_weight) / full,
+                "(dI+dW)/full": _split_ratio(
+                    rows, case, f"{variant} dI+dW / stock full", rows[(variant, case, "dI+dW_ms")]["median"] / full
+                ),
                 "peak_mb": peak,
                 "stock_full_peak_mb": stock_peak,
                 "held_after_dI_mb": rows[(variant, case, "held_after_dI_mb")]["median"],
@@ -553,6 +623,18 @@ def write_plots(folder: Path, rows: Sequence[SummaryRow]) -> list[Path]:
 # --- command line -----------------------------------------------------------------------------------
 
 
+def fresh_folder(path: Path) -> Path:
+    """Creates ``path``, or ``path-2``, ``path-3``... if it exists (two runs in the same second)."""
+    candidate = path
+    for suffix in itertools.count(2):
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            candidate = path.with_name(f"{path.name}-{suffix}")
+    raise AssertionError("unreachable")
+
+
 def default_folder(quick: bool) -> Path:
     """``results/bench-<UTC time>-<git sha or 'nogit'>[-quick]`` under the working directory."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -560,18 +642,24 @@ def default_folder(quick: bool) -> Path:
 
 
 def _git_sha() -> str:
-    """The short sha of the checkout torch_ext is imported from; 'nogit' when installed from a wheel."""
+    """The short sha of the checkout torch_ext is imported from; 'nogit' when installed from a wheel.
+
+    Only a repository whose top level is the package's parent directory is the package's checkout: an
+    installed wheel may sit inside some other repository (a virtualenv in a project's tree).
+    """
+    package_dir = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=package_dir, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != package_dir.parent:
+            return "nogit"
+        return git("rev-parse", "--short", "HEAD") or "nogit"
     except (OSError, subprocess.CalledProcessError):
         return "nogit"
-    return result.stdout.strip() or "nogit"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -592,10 +680,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     available = all_benchmarks()
     names = BENCHMARK_NAMES
-    if args.only:
-        names = tuple(name.strip() for name in args.only.split(",") if name.strip())
+    if args.only is not None:
+        # Each once, in the order given.
+        names = tuple(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))
+        if not names:
+            parser.error(f"--only {args.only!r} selects no benchmark: choose from {', '.join(BENCHMARK_NAMES)}")
         unknown = [name for name in names if name not in available]
-        if unknown or not names:
-            parser.error(f"--only {args.only!r}: choose from {', '.join(BENCHMARK_NAMES)}")
-    folder = args.out if args.out is not None else default_folder(args.quick)
+        if unknown:
+            parser.error(
+                f"--only {args.only!r}: unknown {', '.join(unknown)}; choose from {', '.join(BENCHMARK_NAMES)}"
+            )
+    folder = args.out if args.out is not None else fresh_folder(default_folder(args.quick))
     return run_all([available[name] for name in names], folder, args.quick)
