@@ -429,12 +429,25 @@ def _write_timelines(rows: list[tuple[str, list[dict]]], png_path: str, dense_la
     print(f"wrote {png_path} and {json_path}")
 
 
+def _rank_process(rank: int, port: int, config: Config, queue) -> None:
+    _run_rank(rank, port, config, queue)
+    # Done, and rank 0's result handed over: leave without the interpreter's and C++'s exit-time
+    # teardown. In a CI run a rank died there ("terminate called without an active exception": some
+    # library's thread still joinable at exit) after all its work was done, failing the benchmark.
+    # An exception above still exits through multiprocessing, with its traceback and exit code 1.
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_ranks(config: Config) -> dict:
     context = mp.get_context("spawn")
     queue = context.Queue()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ranks = [
-        context.Process(target=_run_rank, args=(rank, store.port, config, queue), daemon=True)
+        context.Process(target=_rank_process, args=(rank, store.port, config, queue), daemon=True)
         for rank in range(WORLD_SIZE)
     ]
     for process in ranks:
