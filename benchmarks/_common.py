@@ -110,3 +110,10 @@ def write_csv(path: str, rows: Iterable[dict[str, object]]) -> None:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def print_columns(lines: Sequence[Sequence[str]]) -> None:
+    """Prints rows of cells (the first one the header) as left-aligned columns two spaces apart."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    for line in lines:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())

@@ -60,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from _common import Summary, csv_row, git_sha, progress, summarize, timed_call, write_csv
+from _common import Summary, csv_row, git_sha, print_columns, progress, summarize, timed_call, write_csv
 from torch.autograd.graph import get_gradient_edge
 
 import torch_ext
@@ -382,9 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for case, nodes, stock, ext, ratio, paired in table
     ]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    for line in lines:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    print_columns(lines)
     print(
         "us/node: median [p20-p80]; ratio: torch_ext/stock of the medians; "
         "paired ratio: p20-p80 of the per-repetition ratios"

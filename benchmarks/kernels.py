@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from _common import Summary, csv_row, git_sha, progress, summarize, write_csv
+from _common import Summary, csv_row, git_sha, print_columns, progress, summarize, write_csv
 
 FP32, BF16 = torch.float32, torch.bfloat16
 WALL_CALLS = 50  # back-to-back calls per wall-time sample
@@ -365,9 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall/torch_ext",
     )
     lines = [header, *table]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    for line in lines:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    print_columns(lines)
     print(
         "device/wall us: median [p20-p80] over rounds; GB/s: bytes read and written over the median device "
         "time; of copy: against the device's copy bandwidth"

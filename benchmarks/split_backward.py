@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from _common import Summary, csv_row, git_sha, progress, summarize, timed_call, write_csv
+from _common import Summary, csv_row, git_sha, print_columns, progress, summarize, timed_call, write_csv
 from torch import nn
 from torch.distributed.pipelining import _backward as pipelining_backward
 from torch.utils.checkpoint import checkpoint
@@ -317,9 +317,7 @@ def run_case(config: StageConfig, warmup: int, sha: str) -> list[dict[str, objec
                 megabytes(memory[name].held_after_input_pass),
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    for line in lines:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    print_columns(lines)
     print(
         "ms: median [p20-p80]; peak: above the live bytes when backward started (peak MB: of the whole "
         "backward); held after dI: live bytes after dI minus before it"

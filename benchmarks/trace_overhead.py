@@ -37,7 +37,7 @@ import sys
 import time
 
 import torch
-from _common import Summary, csv_row, git_sha, summarize, timed_call, write_csv
+from _common import Summary, csv_row, git_sha, print_columns, summarize, timed_call, write_csv
 from engine_overhead import MLP, Chain, count_nodes, fresh_graph
 
 import torch_ext
@@ -156,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for case, nodes, per_node, added in table
     ]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    for line in lines:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    print_columns(lines)
     print(
         "us/node: median [p20-p80]; on-off: of the medians; paired: p20-p80 of per-repetition differences; "
         "collect: the trace's exit (events to dicts), per node traced"
