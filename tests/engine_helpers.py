@@ -227,3 +227,24 @@ def assert_same_error(fn_stock: Callable, fn_ext: Callable) -> ErrorPair:
     assert type(ext) is type(stock), f"stock raised {type(stock).__name__}: {stock}\ntorch_ext raised {ext!r}"
     assert str(ext) == str(stock), f"messages differ:\nstock:     {stock}\ntorch_ext: {ext}"
     return ErrorPair(stock, ext, stock_warnings, ext_warnings)
+
+
+def recsys_like(seed=0, exchange=None, layers=3):
+    """loss = (sparse path * dense path).sum(), each path `layers` matmuls deep: the sparse path starts
+    at `lookup` (stands for an all_to_all output; `exchange`, if given, is applied to make it) and is
+    created before the dense path, so stock runs the dense path first."""
+    torch.manual_seed(seed)
+    w_sparse = [torch.randn(4, 4, requires_grad=True) for _ in range(layers)]
+    w_dense = [torch.randn(4, 4, requires_grad=True) for _ in range(layers)]
+    table = torch.randn(2, 4, requires_grad=True)
+    lookup = table.exp()
+    if exchange is not None:
+        lookup = exchange(lookup)
+    sparse = lookup
+    for w in w_sparse:
+        sparse = torch.tanh(sparse @ w)
+    dense = torch.randn(2, 4)
+    for w in w_dense:
+        dense = torch.relu(dense @ w)
+    loss = (sparse * dense).sum()
+    return loss, lookup, w_sparse, w_dense, [table, *w_sparse, *w_dense]

@@ -2,29 +2,9 @@
 
 import pytest
 import torch
+from engine_helpers import recsys_like
 
 import torch_ext
-
-
-def recsys_like(seed=0, exchange=None):
-    """loss = (sparse path * dense path).sum(): the sparse path starts at `lookup` (stands for an
-    all_to_all output; `exchange`, if given, is applied to make it) and is created before the dense
-    path, so stock runs the dense path first."""
-    torch.manual_seed(seed)
-    w_sparse = [torch.randn(4, 4, requires_grad=True) for _ in range(3)]
-    w_dense = [torch.randn(4, 4, requires_grad=True) for _ in range(3)]
-    table = torch.randn(2, 4, requires_grad=True)
-    lookup = table.exp()
-    if exchange is not None:
-        lookup = exchange(lookup)
-    sparse = lookup
-    for w in w_sparse:
-        sparse = torch.tanh(sparse @ w)
-    dense = torch.randn(2, 4)
-    for w in w_dense:
-        dense = torch.relu(dense @ w)
-    loss = (sparse * dense).sum()
-    return loss, lookup, w_sparse, w_dense, [table, *w_sparse, *w_dense]
 
 
 def run_and_record(run, seed=0):

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from engine_helpers import graph_nodes, recsys_like
 
 import torch_ext
 from torch_ext.tracing import plot_timelines, trace_clock_ns
@@ -22,37 +23,10 @@ def small_graph():
     return loss, [x, w]
 
 
-def recsys_like():
-    """loss = (sparse * dense).sum(): the sparse path starts at `lookup` and is created before the
-    dense path, so stock's order runs the dense path first."""
-    w_sparse = [torch.randn(4, 4, requires_grad=True) for _ in range(2)]
-    w_dense = [torch.randn(4, 4, requires_grad=True) for _ in range(2)]
-    table = torch.randn(2, 4, requires_grad=True)
-    lookup = table.exp()
-    sparse = lookup
-    for w in w_sparse:
-        sparse = torch.tanh(sparse @ w)
-    dense = torch.randn(2, 4)
-    for w in w_dense:
-        dense = torch.relu(dense @ w)
-    return (sparse * dense).sum(), lookup, dense
-
-
-def graph_nodes(root):
-    seen, stack = set(), [root.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        stack.extend(n for n, _ in node.next_functions)
-    return seen
-
-
 def record_execution_order(root):
     """(name, sequence_nr as traced) of every node, appended as each starts running (pre-hooks)."""
     order = []
-    for node in graph_nodes(root):
+    for node in graph_nodes([root]):
         seq = node._sequence_nr()
         traced_seq = -1 if seq == 2**64 - 1 else seq
         node.register_prehook(lambda grads, node=node, seq=traced_seq: order.append((node.name(), seq)))
@@ -75,7 +49,7 @@ def test_node_events_follow_execution_order():
     with torch_ext.trace() as t:
         torch_ext.backward(loss)
     assert [(e["name"], e["sequence_nr"]) for e in kinds(t.events, "node")] == order
-    assert len(order) == len(graph_nodes(loss))
+    assert len(order) == len(graph_nodes([loss]))
     (call,) = kinds(t.events, "backward")
     assert call["name"] == "backward" and call["id"] == 0
     assert [event["id"] for event in t.events] == list(range(len(t.events)))
@@ -117,7 +91,7 @@ def test_gradients_equal_stock_with_tracing_on():
 
 
 def test_priority_and_where_it_came_from():
-    loss, lookup, _ = recsys_like()
+    loss, lookup, *_ = recsys_like(layers=2)
     torch_ext.set_priority(lookup, 7)
     with torch_ext.trace() as t:
         torch_ext.backward(loss)
@@ -139,7 +113,8 @@ def test_priority_and_where_it_came_from():
 
 
 def test_launch_first_and_per_call_priorities():
-    loss, lookup, dense = recsys_like()
+    loss, lookup, *_ = recsys_like(layers=2)
+    dense = loss.grad_fn.next_functions[0][0].next_functions[1][0]  # Sum <- Mul(sparse, dense): the top dense node
     torch_ext.launch_first(lookup)
     with torch_ext.trace() as t:
         torch_ext.backward(loss, retain_graph=True)
@@ -156,7 +131,7 @@ def test_launch_first_and_per_call_priorities():
     assert (mul["priority"], mul["priority_from"]) == (3, "propagated")
     assert mul["priority_origin"] == {
         "name": "ReluBackward0",
-        "sequence_nr": dense.grad_fn._sequence_nr(),
+        "sequence_nr": dense._sequence_nr(),
         "priority_from": "priorities",
     }
     exp = by_name(t.events, "ExpBackward0")
@@ -164,7 +139,7 @@ def test_launch_first_and_per_call_priorities():
 
 
 def test_priority_without_propagation_stays_on_its_node():
-    loss, lookup, _ = recsys_like()
+    loss, lookup, *_ = recsys_like(layers=2)
     torch_ext.set_priority(lookup, 5, propagate=False)
     with torch_ext.trace() as t:
         torch_ext.backward(loss)
@@ -300,7 +275,7 @@ EVALUATE = "autograd::engine::evaluate_function: "
 
 
 def test_node_spans_appear_in_profiler_trace_with_their_priority():
-    loss, lookup, _ = recsys_like()
+    loss, lookup, *_ = recsys_like(layers=2)
     torch_ext.set_priority(lookup, 4)
     cpu = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=cpu, record_shapes=True) as profile, torch_ext.trace() as t:
@@ -335,7 +310,7 @@ def test_chrome_trace_is_valid_json_with_spans_and_names(tmp_path):
 
 def test_png_timeline_is_written(tmp_path):
     image = pytest.importorskip("matplotlib.image")
-    loss, lookup, _ = recsys_like()
+    loss, lookup, *_ = recsys_like(layers=2)
     torch_ext.set_priority(lookup, 1)
     with torch_ext.trace() as t:
         torch_ext.backward(loss)
