@@ -123,12 +123,15 @@ class BackwardCall {
   void seed_all_roots() {
     seed_roots();
   }
+  // `edge`: the delivery's edge id in the plan (GraphPlan's root edges), or
+  // kNoEdge.
   void seed_gradient(
       int32_t target,
       uint32_t input_nr,
       at::Tensor&& grad,
-      const std::optional<c10::Stream>& producer_stream) {
-    deliver(target, input_nr, std::move(grad), producer_stream);
+      const std::optional<c10::Stream>& producer_stream,
+      int32_t edge) {
+    deliver(target, input_nr, std::move(grad), producer_stream, edge);
   }
   void seed_ready(int32_t slot, InputBuffer&& inputs);
 
@@ -143,14 +146,30 @@ class BackwardCall {
   // is not traced runs exactly the code it ran before tracing existed.
   template <bool kTraced>
   void execute_node(int32_t slot);
-  // Adds `grad` to input `input_nr` of `target`, making it ready if that was
-  // its last pending edge.
+  // Delivers `grad` along edge id `edge` (or kNoEdge) to input `input_nr`
+  // of `target`, making it ready if that was its last pending edge. Where
+  // the plan orders that input (stock_order.h), an early arrival is held
+  // until its predecessors in stock's order are in.
   void deliver(
       int32_t target,
       uint32_t input_nr,
       at::Tensor&& grad,
+      const std::optional<c10::Stream>& producer_stream,
+      int32_t edge);
+  // Adds `grad` to the buffer of input `input_nr` of `target` now.
+  void add_to_input(
+      int32_t target,
+      uint32_t input_nr,
+      at::Tensor&& grad,
       const std::optional<c10::Stream>& producer_stream);
+  // The key `slot` is queued with when it becomes ready: its effective
+  // priority, then its sequence_nr, except that a node whose input is a
+  // collective's result in flight goes behind every other ready node of its
+  // priority (it would block on the wait).
+  ReadyNode ready_key(int32_t slot) const;
   void sync_leaf_streams_with_caller();
+  // Adds this call's held gradients to held_gradient_stats.
+  void record_held_gradients() const;
   // Marks `target` as receiving a pending result if `grad` is one.
   void note_pending_delivery(int32_t target, const at::Tensor& grad);
   // Waits on the pending results delivered to `slot` (or, with kNoSlot, on
@@ -196,6 +215,22 @@ class BackwardCall {
     int32_t launch_event = trace::kNoEvent;
   };
   std::vector<PendingWait> pending_waits_;
+  // Bit-stable accumulation: per ordered input of the plan, the next place
+  // in stock's order to add, and the gradients that arrived ahead of it.
+  struct HeldGradient {
+    uint32_t rank;
+    at::Tensor grad;
+    std::optional<c10::Stream> producer_stream;
+  };
+  struct OrderedInput {
+    uint32_t next_rank = 0;
+    std::vector<HeldGradient> held;
+  };
+  std::vector<OrderedInput> ordered_inputs_;
+  // Bytes of gradients held now and at most during this call.
+  int64_t held_bytes_ = 0;
+  int64_t peak_held_bytes_ = 0;
+  int64_t held_count_ = 0;
   Node* failed_node_ = nullptr;
   // Where each node is made the current node while it runs, as stock's
   // NodeGuard does; null if unavailable.
@@ -210,6 +245,16 @@ class BackwardCall {
   // While tracing: the event of the node running now (its launches).
   int32_t running_node_event_ = trace::kNoEvent;
 };
+
+// What bit-stable accumulation held, summed over every call since the last
+// reset: gradients held back, and the largest number of bytes one call held
+// at once.
+struct HeldGradientStats {
+  int64_t held_gradients = 0;
+  int64_t peak_held_bytes = 0;
+  int64_t ordered_calls = 0;
+};
+HeldGradientStats held_gradient_stats(bool reset);
 
 // Runs `call` inside one stock graph task (host_task.cpp). `filtered`: only a
 // subset of nodes runs (the host's exec_info must be non-empty).

@@ -28,8 +28,7 @@ uint64_t min_topological_nr(const edge_list& inputs) {
 
 class PlanBuilder {
  public:
-  explicit PlanBuilder(GraphPlan& plan)
-      : plan_(plan), find_collectives_(auto_collective_priority()) {}
+  explicit PlanBuilder(GraphPlan& plan) : plan_(plan) {}
 
   // Slot of `fn`, created on first sight. Every call is one edge into `fn`.
   int32_t add_edge_to(Node* fn) {
@@ -70,7 +69,10 @@ class PlanBuilder {
       plan_.slots[slot].first_edge =
           static_cast<uint32_t>(plan_.edge_targets.size());
       plan_.slots[slot].expanded = true;
-      if (find_collectives_ && is_collective_node(*fn)) {
+      // Recognised whether or not they get the automatic priority: a call
+      // with collectives may defer their waits, and so must know stock's
+      // delivery order (stock_order.h).
+      if (is_collective_node(*fn)) {
         plan_.slots[slot].collective = true;
         plan_.has_collectives = true;
       }
@@ -91,7 +93,6 @@ class PlanBuilder {
 
  private:
   GraphPlan& plan_;
-  const bool find_collectives_;
   std::vector<int32_t> expand_stack_;
 };
 
@@ -166,13 +167,16 @@ void mark_needed(GraphPlan& plan, int32_t single_root, uint64_t min_topo_nr) {
 // higher, the highest propagating priority of any node it leads to, so every
 // node on a path from the roots to a prioritised node runs at least at that
 // node's priority. One post-order pass: children before parents.
-void assign_priorities(GraphPlan& plan, const CallPriorities& priorities) {
+void assign_priorities(
+    GraphPlan& plan,
+    const CallPriorities& priorities,
+    bool auto_collective) {
   const size_t num_slots = plan.slots.size();
   std::vector<std::optional<NodePriority>> own(num_slots);
   bool any = false;
   for (size_t i = 0; i < num_slots; ++i) {
     own[i] = priorities.lookup(plan.slots[i].fn);
-    if (!own[i].has_value() && plan.slots[i].collective) {
+    if (!own[i].has_value() && auto_collective && plan.slots[i].collective) {
       // An explicit priority on a collective's node wins over the automatic one.
       own[i] = NodePriority{kCollectivePriority, /*propagate=*/true};
     }
@@ -287,6 +291,10 @@ void discover_graph(
   TORCH_INTERNAL_ASSERT(plan.slots.empty(), "discover_graph needs an empty plan");
   PlanBuilder builder(plan);
   const bool single_root = roots.size() == 1;
+  plan.single_root = single_root;
+  for (const auto& root : roots) {
+    plan.root_input_nrs.push_back(root.input_nr);
+  }
   if (single_root) {
     plan.root_targets.push_back(builder.add_single_root(roots[0].function.get()));
   } else {
@@ -311,8 +319,10 @@ void discover_graph(
     }
   }
 
-  if (!priorities.empty() || plan.has_collectives) {
-    assign_priorities(plan, priorities);
+  const bool auto_collective =
+      plan.has_collectives && auto_collective_priority();
+  if (!priorities.empty() || auto_collective) {
+    assign_priorities(plan, priorities, auto_collective);
   }
   if (inputs.empty()) {
     return;

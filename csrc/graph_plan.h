@@ -34,6 +34,9 @@ using torch::autograd::variable_list;
 
 // An edge whose target is not a node of this call (an invalid edge).
 inline constexpr int32_t kNoSlot = -1;
+// A delivery that is no edge of the plan (split backward's seeds); it is
+// added on arrival.
+inline constexpr int32_t kNoEdge = -1;
 
 // One node reachable from the roots.
 struct NodeSlot {
@@ -89,8 +92,9 @@ struct GraphPlan {
   std::vector<NodeSlot> slots;
   // For slot s and its i-th next edge: slots[s].first_edge + i -> target slot.
   std::vector<int32_t> edge_targets;
-  // Target slot of each root edge.
+  // Target slot and input of each root edge.
   std::vector<int32_t> root_targets;
+  std::vector<uint32_t> root_input_nrs;
   std::vector<Capture> captures;
   // Whether only a subset of nodes runs (inputs= or grad()); stock's
   // "exec_info_ is not empty".
@@ -104,6 +108,20 @@ struct GraphPlan {
   std::vector<PrioritySource> priority_sources;
   // Whether any slot is `collective`.
   bool has_collectives = false;
+  // Stock makes a single root the graph root itself (no incoming edge).
+  bool single_root = false;
+
+  // Bit-stable accumulation (DESIGN.md, "Bits under any order"), filled by
+  // order_deliveries_as_stock (stock_order.h) for a call that may run
+  // producers out of stock's order. Indexed by edge id: slot s's i-th next
+  // edge is slots[s].first_edge + i; root edge r is edge_targets.size() + r.
+  // An input that receives three or more gradients has an index in
+  // [0, num_ordered_inputs) (two-term sums commute, so fewer need no order);
+  // each delivery into it has its place in the order stock would deliver in.
+  bool stock_order_known = false;
+  uint32_t num_ordered_inputs = 0;
+  std::vector<int32_t> ordered_input_of_edge;
+  std::vector<uint32_t> stock_rank_of_edge;
   // Node -> slot, used while discovering. Open addressing: std::unordered_map
   // allocated once per node, a visible share of discovery in perf profiles of
   // a 10k-node chain.

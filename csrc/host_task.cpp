@@ -10,6 +10,7 @@
 // pattern".
 
 #include "engine_api.h"
+#include "stock_order.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/EmptyTensor.h>
@@ -23,6 +24,7 @@
 #include <torch/csrc/autograd/input_metadata.h>
 
 #include <limits>
+#include <mutex>
 
 namespace torch_ext {
 namespace {
@@ -183,20 +185,20 @@ void BackwardCall::seed_roots() {
   }
   // Several roots: stock's GraphRoot delivers each gradient along its root
   // edge, in order, like any node's outputs.
+  const auto first_root_edge = static_cast<int32_t>(plan_.edge_targets.size());
   for (size_t i = 0; i < roots_.size(); ++i) {
     deliver(
         plan_.root_targets[i],
         roots_[i].input_nr,
         std::move(root_grads_[i]),
-        root_streams_[i]);
+        root_streams_[i],
+        first_root_edge + static_cast<int32_t>(i));
   }
 }
 
 void BackwardCall::seed_ready(int32_t slot, InputBuffer&& inputs) {
-  NodeSlot& node = plan_.slots[slot];
-  node.inputs.emplace(std::move(inputs));
-  const int64_t priority = plan_.priority.empty() ? 0 : plan_.priority[slot];
-  ready_.push({priority, node.fn->sequence_nr(), slot});
+  plan_.slots[slot].inputs.emplace(std::move(inputs));
+  ready_.push(ready_key(slot));
 }
 
 void BackwardCall::run(Node* host_node) {
@@ -236,6 +238,13 @@ void BackwardCall::run(Node* host_node) {
         priorities_,
         host_nodes_in_graph);
   }
+  if (!plan_.stock_order_known &&
+      (!plan_.priority.empty() || plan_.has_collectives)) {
+    // Priorities and deferred collective waits run nodes out of stock's
+    // order; the sums must not notice.
+    order_deliveries_as_stock(plan_, /*every_slot_runs=*/false);
+  }
+  ordered_inputs_.resize(plan_.num_ordered_inputs);
   publish_plan_to_host_task();
   // Gradients are accumulated (InputBuffer) and nodes run with grad mode
   // equal to create_graph, as under stock's per-task thread-local state.
@@ -271,9 +280,36 @@ void BackwardCall::run(Node* host_node) {
       failed_node_ = plan_.slots[running].fn;
     }
     wait_pending_after_error();
+    record_held_gradients();
     throw;
   }
+  record_held_gradients();
   sync_leaf_streams_with_caller();
+}
+
+namespace {
+std::mutex held_stats_mutex;
+HeldGradientStats held_stats;
+} // namespace
+
+void BackwardCall::record_held_gradients() const {
+  if (!plan_.stock_order_known) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(held_stats_mutex);
+  held_stats.ordered_calls += 1;
+  held_stats.held_gradients += held_count_;
+  held_stats.peak_held_bytes =
+      std::max(held_stats.peak_held_bytes, peak_held_bytes_);
+}
+
+HeldGradientStats held_gradient_stats(bool reset) {
+  std::lock_guard<std::mutex> lock(held_stats_mutex);
+  const HeldGradientStats stats = held_stats;
+  if (reset) {
+    held_stats = HeldGradientStats{};
+  }
+  return stats;
 }
 
 void BackwardCall::sync_leaf_streams_with_caller() {

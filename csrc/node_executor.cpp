@@ -284,6 +284,12 @@ bool BackwardCall::defer_wait_to_first_use(const at::Tensor& result) {
     return false;
   }
   BackwardCall& call = *running->call;
+  if (!call.plan_.stock_order_known) {
+    // Waiting later reorders the nodes after it; without stock's delivery
+    // order the sums they feed could change. (Every node the engine
+    // recognises as a collective has it; see stock_order.h.)
+    return false;
+  }
   const int32_t launch_event = call.running_node_event_;
   if (call.trace_ != nullptr && launch_event != trace::kNoEvent) {
     call.trace_->event(launch_event).collective = true;
@@ -357,11 +363,38 @@ InputBuffer make_input_buffer(Node& fn) {
   return InputBuffer(variable_list(fn.num_inputs()));
 }
 
-void BackwardCall::deliver(
+ReadyNode BackwardCall::ready_key(int32_t target) const {
+  const NodeSlot& slot = plan_.slots[target];
+  const int64_t priority = plan_.priority.empty() ? 0 : plan_.priority[target];
+  // A node whose input is a collective's result in flight would block on
+  // it; every other ready node of its priority runs first, overlapping the
+  // communication. (A leaf's AccumulateGrad, sequence_nr UINT64_MAX, would
+  // otherwise run, and wait, at once.)
+  const uint64_t order = slot.has_pending_wait ? 0 : slot.fn->sequence_nr();
+  return {priority, order, target};
+}
+
+void BackwardCall::add_to_input(
     int32_t target,
     uint32_t input_nr,
     at::Tensor&& grad,
     const std::optional<c10::Stream>& producer_stream) {
+  NodeSlot& slot = plan_.slots[target];
+  if (slot.has_pending_wait && slot.inputs->buffer[input_nr].defined()) {
+    // Accumulating reads both gradients.
+    wait_pending(target);
+  }
+  prepare_for_accelerator_grad(*slot.inputs, grad);
+  slot.inputs->add(
+      input_nr, std::move(grad), producer_stream, slot.fn->stream(), slot.fn);
+}
+
+void BackwardCall::deliver(
+    int32_t target,
+    uint32_t input_nr,
+    at::Tensor&& grad,
+    const std::optional<c10::Stream>& producer_stream,
+    int32_t edge) {
   NodeSlot& slot = plan_.slots[target];
   const bool ready = --slot.pending_edges == 0;
   if (!slot.inputs) {
@@ -374,23 +407,51 @@ void BackwardCall::deliver(
   }
   if (!pending_waits_.empty()) {
     note_pending_delivery(target, grad);
-    if (slot.has_pending_wait && slot.inputs->buffer[input_nr].defined()) {
-      // Accumulating reads both gradients.
-      wait_pending(target);
-    }
   }
-  prepare_for_accelerator_grad(*slot.inputs, grad);
-  slot.inputs->add(
-      input_nr, std::move(grad), producer_stream, slot.fn->stream(), slot.fn);
+  const int32_t ordered = edge == kNoEdge || plan_.ordered_input_of_edge.empty()
+      ? kNoSlot
+      : plan_.ordered_input_of_edge[edge];
+  if (ordered == kNoSlot) {
+    add_to_input(target, input_nr, std::move(grad), producer_stream);
+  } else {
+    OrderedInput& order = ordered_inputs_[ordered];
+    const uint32_t rank = plan_.stock_rank_of_edge[edge];
+    if (rank != order.next_rank) {
+      // Ahead of its turn: an earlier gradient in stock's order is still to
+      // come, so this one cannot be its node's input yet.
+      TORCH_INTERNAL_ASSERT(rank > order.next_rank && !ready);
+      if (grad.defined()) {
+        held_bytes_ += static_cast<int64_t>(grad.nbytes());
+        peak_held_bytes_ = std::max(peak_held_bytes_, held_bytes_);
+      }
+      ++held_count_;
+      order.held.push_back({rank, std::move(grad), producer_stream});
+      return;
+    }
+    add_to_input(target, input_nr, std::move(grad), producer_stream);
+    ++order.next_rank;
+    // Add the held gradients whose turn has come. A handful at most: a
+    // linear search beats keeping them sorted.
+    for (size_t i = 0; i < order.held.size();) {
+      if (order.held[i].rank != order.next_rank) {
+        ++i;
+        continue;
+      }
+      HeldGradient held = std::move(order.held[i]);
+      order.held[i] = std::move(order.held.back());
+      order.held.pop_back();
+      if (held.grad.defined()) {
+        held_bytes_ -= static_cast<int64_t>(held.grad.nbytes());
+      }
+      add_to_input(
+          target, input_nr, std::move(held.grad), held.producer_stream);
+      ++order.next_rank;
+      i = 0;
+    }
+    TORCH_INTERNAL_ASSERT(!ready || order.held.empty());
+  }
   if (ready) {
-    const int64_t priority =
-        plan_.priority.empty() ? 0 : plan_.priority[target];
-    // A node whose input is a collective's result in flight would block on
-    // it; every other ready node of its priority runs first, overlapping the
-    // communication. (A leaf's AccumulateGrad, sequence_nr UINT64_MAX, would
-    // otherwise run, and wait, at once.)
-    const uint64_t order = slot.has_pending_wait ? 0 : slot.fn->sequence_nr();
-    ready_.push({priority, order, target});
+    ready_.push(ready_key(target));
   }
 }
 
@@ -501,7 +562,11 @@ void BackwardCall::execute_node(int32_t index) {
       continue;
     }
     deliver(
-        target, fn.next_edge(i).input_nr, std::move(outputs[i]), node_stream);
+        target,
+        fn.next_edge(i).input_nr,
+        std::move(outputs[i]),
+        node_stream,
+        static_cast<int32_t>(slot.first_edge + i));
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include "collective_nodes.h"
 #include "engine_api.h"
+#include "python_engine_info.h"
 #include "python_split.h"
 #include "trace.h"
 
@@ -516,7 +517,9 @@ PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__C() {
   torch_ext::set_anomaly_metadata_copier(torch_ext::copy_anomaly_metadata);
   PyObject* module = PyModule_Create(&torch_ext::module_def);
-  if (module != nullptr && !torch_ext::init_split_bindings(module)) {
+  if (module != nullptr &&
+      (!torch_ext::init_split_bindings(module) ||
+       !torch_ext::init_engine_info_bindings(module))) {
     Py_DECREF(module);
     return nullptr;
   }

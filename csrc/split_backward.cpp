@@ -2,6 +2,7 @@
 // runs D and keeps the frontier; the dW pass runs the weight subgraph from it.
 
 #include "split_backward.h"
+#include "stock_order.h"
 
 #include "batched_accumulation.h"
 #include "engine_api.h"
@@ -45,6 +46,8 @@ struct WeightSideRoot {
   uint32_t input_nr;
   at::Tensor grad;
   std::optional<c10::Stream> stream;
+  // Its edge id in the weight plan (bit-stable accumulation).
+  int32_t edge;
 };
 
 struct SplitState {
@@ -217,6 +220,10 @@ class InputPass final : public SplitPass {
       }
     }
     check_reachable(plan);
+    // The two passes together must sum every input buffer as one full
+    // backward would, although the weight pass runs W's nodes after every
+    // node of D (and the frontier nodes ready at once).
+    order_deliveries_as_stock(plan, /*every_slot_runs=*/true);
     plan_ = &plan;
     classify(plan);
     build_weight_plan(plan);
@@ -416,6 +423,10 @@ class InputPass final : public SplitPass {
           copy.expanded ? copy.fn->next_edges().size() : 0;
       for (size_t i = 0; i < num_edges; ++i) {
         const int32_t target = plan.target_of(s, i);
+        const size_t edge = plan.slots[s].first_edge + i;
+        weight_plan.ordered_input_of_edge.push_back(
+            plan.ordered_input_of_edge[edge]);
+        weight_plan.stock_rank_of_edge.push_back(plan.stock_rank_of_edge[edge]);
         weight_plan.edge_targets.push_back(
             target != kNoSlot && weight_side_[target] &&
                     !is_captured_weight_side(plan, target)
@@ -434,7 +445,12 @@ class InputPass final : public SplitPass {
       }
     }
     weight_plan.filtered = true;
+    weight_plan.stock_order_known = true;
+    weight_plan.num_ordered_inputs = plan.num_ordered_inputs;
 
+    // Root edges into W follow the weight plan's node edges (GraphPlan's
+    // edge ids), with their places in the full backward's order.
+    const size_t first_root_edge = plan.edge_targets.size();
     for (size_t i = 0; i < roots_.size(); ++i) {
       const int32_t target = plan.root_targets[i];
       if (!weight_side_[target] || is_captured_weight_side(plan, target)) {
@@ -444,11 +460,18 @@ class InputPass final : public SplitPass {
         // Stock's single root has no incoming edge to count.
         weight_plan.slots[weight_plan_slot[target]].pending_edges += 1;
       }
+      const auto weight_edge =
+          static_cast<int32_t>(weight_plan.ordered_input_of_edge.size());
+      weight_plan.ordered_input_of_edge.push_back(
+          plan.ordered_input_of_edge[first_root_edge + i]);
+      weight_plan.stock_rank_of_edge.push_back(
+          plan.stock_rank_of_edge[first_root_edge + i]);
       state_.weight_side_roots.push_back(
           {weight_plan_slot[target],
            roots_[i].input_nr,
            root_grads_[i],
-           producer_stream_of(root_grads_[i])});
+           producer_stream_of(root_grads_[i]),
+           weight_edge});
     }
   }
 
@@ -518,7 +541,7 @@ class WeightPass final : public SplitPass {
     // input buffer of W sums its gradients in the same order.
     for (auto& root : state_.weight_side_roots) {
       call.seed_gradient(
-          root.slot, root.input_nr, std::move(root.grad), root.stream);
+          root.slot, root.input_nr, std::move(root.grad), root.stream, root.edge);
     }
     for (auto& frontier : state_.frontier) {
       if (frontier.inputs.has_value()) {
