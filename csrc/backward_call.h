@@ -73,6 +73,11 @@ class SplitPass {
 // the node the host task made current, used to validate the slot.
 c10::intrusive_ptr<Node>* current_node_slot(Node* expected_current);
 
+// Whether current_node_slot found and validated the slot: unknown until the
+// first torch_ext backward of the process.
+enum class CurrentNodeState { kUnknown, kAvailable, kUnavailable };
+CurrentNodeState current_node_state();
+
 class BackwardCall {
  public:
   BackwardCall(
@@ -117,6 +122,14 @@ class BackwardCall {
   // backward); the caller must then wait itself.
   static bool defer_wait_to_first_use(const at::Tensor& result);
 
+  // The call whose node this thread is running under its host task right
+  // now, or null (outside torch_ext, or in a backward nested in a node).
+  static const BackwardCall* running_call();
+
+  // The nodes of this call in the order it runs them, replayed from its plan
+  // (schedule_replay.h).
+  std::vector<Node*> planned_order() const;
+
   // Seeding, for SplitPass::seed: every root, as an ordinary call does;
   // one gradient along one edge (deliver); a node made ready with its
   // gradients.
@@ -148,7 +161,7 @@ class BackwardCall {
   void execute_node(int32_t slot);
   // Delivers `grad` along edge id `edge` (or kNoEdge) to input `input_nr`
   // of `target`, making it ready if that was its last pending edge. Where
-  // the plan orders that input (stock_order.h), an early arrival is held
+  // the plan orders that input (schedule_replay.h), an early arrival is held
   // until its predecessors in stock's order are in.
   void deliver(
       int32_t target,
@@ -235,6 +248,9 @@ class BackwardCall {
   // Where each node is made the current node while it runs, as stock's
   // NodeGuard does; null if unavailable.
   c10::intrusive_ptr<Node>* current_node_slot_ = nullptr;
+  // The host graph task's node set: identifies the host task while it is
+  // current (a backward nested inside a node makes its own task current).
+  const std::unordered_set<Node*>* host_nodes_in_graph_ = nullptr;
   // Set for the passes of split backward only.
   SplitPass* split_ = nullptr;
   // What the call's span is called in a trace.

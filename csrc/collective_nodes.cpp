@@ -74,6 +74,12 @@ bool is_collective_node(const torch::autograd::Node& fn) {
   return obj != nullptr && is_collective_class_name(Py_TYPE(obj)->tp_name);
 }
 
+bool defers_its_wait(const torch::autograd::Node& fn) {
+  const PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
+  return obj != nullptr &&
+      starts_with(Py_TYPE(obj)->tp_name, "GeneratedBackwardFor_torch_ext_");
+}
+
 void remember_python_node_type(const torch::autograd::Node& example) {
   TORCH_CHECK(
       std::string_view(typeid(example).name()) == "N5torch8autograd6PyNodeE",

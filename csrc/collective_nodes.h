@@ -23,6 +23,10 @@ inline constexpr int64_t kCollectivePriority = int64_t{1} << 62;
 // discovery, for every node, without the GIL.
 bool is_collective_node(const torch::autograd::Node& fn);
 
+// Whether the collective node `fn` hands its result to the engine in flight
+// (BackwardCall::defer_wait_to_first_use): torch_ext's own collective ops.
+bool defers_its_wait(const torch::autograd::Node& fn);
+
 // `example` is the node of a Python autograd.Function (a PyNode), whose type
 // is_collective_node must recognise.
 void remember_python_node_type(const torch::autograd::Node& example);

@@ -5,21 +5,29 @@
 // from libtorch_cpu.so, so inside torch_ext's driver the current node would be
 // the driver. That breaks autograd's graph logging, hooks registered on the
 // current node from a saved-tensor unpack hook, and anomaly mode's parent
-// traceback for double backward. The exported get_current_node() reads the
-// slot through a c10::ThreadLocal accessor with one indirect call
-// (`call *disp32(%rip)`); this file locates that accessor from the call, and
-// uses it only after checking that it reports the node the host task set.
-// Anything unexpected turns the feature off, leaving the driver as the
-// current node (the documented fallback).
+// traceback for double backward. On x86-64 the exported get_current_node()
+// reads the slot through a c10::ThreadLocal accessor with one indirect call
+// (`call *disp32(%rip)`); this file locates that accessor from the call,
+// checks that both functions have the shapes it expects before calling
+// anything, and uses the slot only after checking that it reports the node
+// the host task set. Anything unexpected, another architecture, or
+// TORCH_EXT_CURRENT_NODE=off turns the feature off: the driver stays the
+// current node (the portable path). Nothing else in the engine needs the
+// slot: priorities, deferred collective waits and split backward work the
+// same on either path.
 
-#include "engine_api.h"
+#include "backward_call.h"
 
 #include <torch/csrc/autograd/function.h>
 
-#include <dlfcn.h>
-
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
+
+#if defined(__x86_64__)
+#include <dlfcn.h>
+#endif
 
 namespace torch_ext {
 namespace {
@@ -27,9 +35,21 @@ namespace {
 using CurrentNodeSlot = c10::intrusive_ptr<Node>;
 using SlotAccessor = CurrentNodeSlot* (*)();
 
-enum class State { kUnknown, kAvailable, kUnavailable };
-std::atomic<State> state{State::kUnknown};
+std::atomic<CurrentNodeState> state{CurrentNodeState::kUnknown};
 std::atomic<SlotAccessor> accessor{nullptr};
+
+bool forced_off() {
+  // Validated with a clear error at import (torch_ext/_loader.py); here any
+  // value but these means "use it when it validates".
+  const char* value = std::getenv("TORCH_EXT_CURRENT_NODE");
+  if (value == nullptr) {
+    return false;
+  }
+  const std::string_view mode(value);
+  return mode == "off";
+}
+
+#if defined(__x86_64__)
 
 bool same_library(const void* a, const void* b) {
   Dl_info info_a{};
@@ -38,15 +58,40 @@ bool same_library(const void* a, const void* b) {
       info_a.dli_fbase == info_b.dli_fbase;
 }
 
-// The accessor get_current_node() calls, read from its first instructions.
+// Whether `code` begins like a thread_local accessor: a dynamic-TLS lookup
+// (`lea disp32(%rip),%rdi; call __tls_get_addr`, after at most a short
+// prologue) or a static one (`mov %fs:0,%rax`).
+bool looks_like_tls_accessor(const unsigned char* code) {
+  constexpr int kPrologueBytes = 8;
+  for (int i = 0; i <= kPrologueBytes; ++i) {
+    const bool dynamic = code[i] == 0x48 && code[i + 1] == 0x8d &&
+        code[i + 2] == 0x3d && code[i + 7] == 0xe8;
+    const bool static_tls = code[i] == 0x64 && code[i + 1] == 0x48 &&
+        code[i + 2] == 0x8b && code[i + 3] == 0x04 && code[i + 4] == 0x25;
+    if (dynamic || static_tls) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The accessor get_current_node() calls, read from its first instructions
+// and checked before it is ever called: get_current_node() must load the
+// node pointer from the slot the call returns (`mov (%rax),%reg`), and the
+// accessor, in the same library, must look like a thread_local accessor.
 SlotAccessor find_accessor() {
   const auto* code = reinterpret_cast<const unsigned char*>(
       &torch::autograd::get_current_node);
   // The indirect call comes after a short prologue; look at the first bytes.
   constexpr int kSearchBytes = 24;
-  for (int i = 0; i + 6 <= kSearchBytes; ++i) {
+  for (int i = 0; i + 9 <= kSearchBytes + 3; ++i) {
     if (code[i] != 0xFF || code[i + 1] != 0x15) {
       continue;
+    }
+    // mov (%rax),%r64: REX.W, 8b, ModRM with mod 00 and base rax.
+    const unsigned char* after = code + i + 6;
+    if (after[0] != 0x48 || after[1] != 0x8b || (after[2] & 0xC7) != 0x00) {
+      return nullptr;
     }
     int32_t displacement = 0;
     std::memcpy(&displacement, code + i + 2, sizeof(displacement));
@@ -57,7 +102,9 @@ SlotAccessor find_accessor() {
     SlotAccessor found = nullptr;
     std::memcpy(&found, accessor_location, sizeof(found));
     if (found == nullptr ||
-        !same_library(code, reinterpret_cast<const void*>(found))) {
+        !same_library(code, reinterpret_cast<const void*>(found)) ||
+        !looks_like_tls_accessor(
+            reinterpret_cast<const unsigned char*>(found))) {
       return nullptr;
     }
     return found;
@@ -65,24 +112,38 @@ SlotAccessor find_accessor() {
   return nullptr;
 }
 
+#else
+
+SlotAccessor find_accessor() {
+  // The decoder reads x86-64 machine code only.
+  return nullptr;
+}
+
+#endif
+
 } // namespace
 
 CurrentNodeSlot* current_node_slot(Node* expected_current) {
-  State known = state.load(std::memory_order_acquire);
-  if (known == State::kUnknown) {
+  CurrentNodeState known = state.load(std::memory_order_acquire);
+  if (known == CurrentNodeState::kUnknown) {
     // Validated on the first call, inside the host task: the slot must hold
     // the driver, which stock's NodeGuard made current.
-    SlotAccessor found = find_accessor();
+    SlotAccessor found = forced_off() ? nullptr : find_accessor();
     const bool valid = found != nullptr && found()->get() == expected_current &&
         torch::autograd::get_current_node().get() == expected_current;
-    accessor.store(found, std::memory_order_release);
-    known = valid ? State::kAvailable : State::kUnavailable;
+    accessor.store(valid ? found : nullptr, std::memory_order_release);
+    known = valid ? CurrentNodeState::kAvailable
+                  : CurrentNodeState::kUnavailable;
     state.store(known, std::memory_order_release);
   }
-  if (known != State::kAvailable) {
+  if (known != CurrentNodeState::kAvailable) {
     return nullptr;
   }
   return accessor.load(std::memory_order_acquire)();
+}
+
+CurrentNodeState current_node_state() {
+  return state.load(std::memory_order_acquire);
 }
 
 } // namespace torch_ext

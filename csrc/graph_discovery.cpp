@@ -71,9 +71,10 @@ class PlanBuilder {
       plan_.slots[slot].expanded = true;
       // Recognised whether or not they get the automatic priority: a call
       // with collectives may defer their waits, and so must know stock's
-      // delivery order (stock_order.h).
+      // delivery order (schedule_replay.h).
       if (is_collective_node(*fn)) {
         plan_.slots[slot].collective = true;
+        plan_.slots[slot].defers_wait = defers_its_wait(*fn);
         plan_.has_collectives = true;
       }
       plan_.edge_targets.resize(plan_.edge_targets.size() + next_edges.size());

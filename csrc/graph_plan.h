@@ -56,6 +56,9 @@ struct NodeSlot {
   // The backward of a collective, prioritised automatically
   // (collective_nodes.h).
   bool collective = false;
+  // A collective whose backward hands its result over in flight
+  // (BackwardCall::defer_wait_to_first_use): torch_ext's own ops.
+  bool defers_wait = false;
   // A gradient delivered to this node is a collective's result still in
   // flight (BackwardCall::defer_wait_to_first_use); wait before reading it.
   bool has_pending_wait = false;
@@ -112,7 +115,7 @@ struct GraphPlan {
   bool single_root = false;
 
   // Bit-stable accumulation (DESIGN.md, "Bits under any order"), filled by
-  // order_deliveries_as_stock (stock_order.h) for a call that may run
+  // order_deliveries_as_stock (schedule_replay.h) for a call that may run
   // producers out of stock's order. Indexed by edge id: slot s's i-th next
   // edge is slots[s].first_edge + i; root edge r is edge_targets.size() + r.
   // An input that receives three or more gradients has an index in

@@ -10,7 +10,7 @@
 // pattern".
 
 #include "engine_api.h"
-#include "stock_order.h"
+#include "schedule_replay.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/EmptyTensor.h>
@@ -225,6 +225,7 @@ void BackwardCall::run(Node* host_node) {
   TORCH_INTERNAL_ASSERT(
       host_nodes_in_graph != nullptr,
       "torch_ext's engine ran outside its host graph task");
+  host_nodes_in_graph_ = host_nodes_in_graph;
   // Filling the host's nodes_in_graph makes _will_engine_execute_node and
   // register_multi_grad_hook(mode="all") see the real graph.
   if (split_ != nullptr) {

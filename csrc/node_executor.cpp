@@ -5,6 +5,7 @@
 // (Engine::evaluate_function and call_function in engine.cpp.)
 
 #include "backward_call.h"
+#include "schedule_replay.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -18,6 +19,7 @@
 #include <c10/core/StreamGuard.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <sstream>
 
@@ -174,7 +176,6 @@ class CurrentNodeGuard {
 struct RunningNode {
   BackwardCall* call;
   Node* node;
-  c10::intrusive_ptr<Node>* current_node_slot;
 };
 thread_local const RunningNode* running_node = nullptr;
 
@@ -258,16 +259,31 @@ void BackwardCall::wait_traced(
   wait_collective_result(pending.result);
 }
 
+const BackwardCall* BackwardCall::running_call() {
+  const RunningNode* running = running_node;
+  if (running == nullptr ||
+      torch::autograd::get_current_graph_task_nodes_in_graph() !=
+          running->call->host_nodes_in_graph_) {
+    return nullptr;
+  }
+  return running->call;
+}
+
+std::vector<Node*> BackwardCall::planned_order() const {
+  return planned_run_order(plan_);
+}
+
 bool BackwardCall::defer_wait_to_first_use(const at::Tensor& result) {
   const RunningNode* running = running_node;
-  if (running == nullptr || !result.defined() ||
-      running->current_node_slot == nullptr) {
+  if (running == nullptr || !result.defined()) {
     return false;
   }
-  // A nested backward on this thread (stock's engine, or a compiled graph's
-  // own code) makes its node current; only the node torch_ext is running
-  // right now may defer, since only its outputs go through deliver().
-  if (running->current_node_slot->get() != running->node) {
+  // A backward nested inside the node (stock's engine, reentrant
+  // checkpoint) makes its own graph task current, and its nodes' outputs do
+  // not go through this call's deliver(): only the node torch_ext runs right
+  // now, under its host task, may defer. (Portable: no current-node slot.)
+  if (torch::autograd::get_current_graph_task_nodes_in_graph() !=
+      running->call->host_nodes_in_graph_) {
     return false;
   }
   // Fake and functional tensors (torch.compile tracing the formula) are not
@@ -287,7 +303,7 @@ bool BackwardCall::defer_wait_to_first_use(const at::Tensor& result) {
   if (!call.plan_.stock_order_known) {
     // Waiting later reorders the nodes after it; without stock's delivery
     // order the sums they feed could change. (Every node the engine
-    // recognises as a collective has it; see stock_order.h.)
+    // recognises as a collective has it; see schedule_replay.h.)
     return false;
   }
   const int32_t launch_event = call.running_node_event_;
@@ -532,7 +548,7 @@ void BackwardCall::execute_node(int32_t index) {
   {
     // A collective's backward formula may hand its in-flight result to this
     // call (defer_wait_to_first_use) while the node runs.
-    const RunningNode running{this, &fn, current_node_slot_};
+    const RunningNode running{this, &fn};
     RunningNodeScope running_scope(running);
     if (split_ == nullptr) {
       outputs =

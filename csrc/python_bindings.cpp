@@ -8,6 +8,7 @@
 #include "collective_nodes.h"
 #include "engine_api.h"
 #include "python_engine_info.h"
+#include "schedule_replay.h"
 #include "python_split.h"
 #include "trace.h"
 
@@ -92,6 +93,69 @@ void check_not_batched(const at::Tensor& tensor, const char* what, size_t i) {
       " is being vmapped over). Please "
       "call autograd.grad() outside torch.vmap or file a bug report "
       "with your use case.");
+}
+
+PyObject* nodes_to_list(const std::vector<Node*>& nodes) {
+  THPObjectPtr list{PyList_New(static_cast<Py_ssize_t>(nodes.size()))};
+  if (!list) {
+    throw python_error();
+  }
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    PyObject* node = torch::autograd::functionToPyObject(nodes[i]->getptr());
+    if (node == nullptr) {
+      throw python_error();
+    }
+    PyList_SET_ITEM(list.get(), static_cast<Py_ssize_t>(i), node);
+  }
+  return list.release();
+}
+
+// execution_order(roots, inputs, priorities) -> [Node]: roots and inputs are
+// tuples of GradientEdges (torch_ext/order.py resolves tensors).
+PyObject* py_execution_order(PyObject* /*module*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* roots = nullptr;
+  PyObject* inputs = nullptr;
+  PyObject* priorities = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!O", &PyTuple_Type, &roots, &PyTuple_Type, &inputs, &priorities)) {
+    return nullptr;
+  }
+  auto parse_edges = [](PyObject* tuple) {
+    edge_list edges;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); ++i) {
+      edges.push_back(parse_gradient_edge(PyTuple_GET_ITEM(tuple, i)));
+    }
+    return edges;
+  };
+  const edge_list root_edges = parse_edges(roots);
+  const edge_list input_edges = parse_edges(inputs);
+  auto overrides = parse_priority_overrides(priorities);
+  std::vector<Node*> order;
+  {
+    pybind11::gil_scoped_release no_gil;
+    order = planned_execution_order(root_edges, input_edges, std::move(overrides));
+  }
+  return nodes_to_list(order);
+  END_HANDLE_TH_ERRORS
+}
+
+// _current_execution_order() -> [Node] or None: the order of the torch_ext
+// call whose node runs on this thread, with stock's check of
+// get_current_graph_task_execution_order.
+PyObject* py_current_execution_order(PyObject* /*module*/, PyObject* /*unused*/) {
+  HANDLE_TH_ERRORS
+  const BackwardCall* call = BackwardCall::running_call();
+  if (call == nullptr) {
+    Py_RETURN_NONE;
+  }
+  TORCH_CHECK(
+      !c10::AutogradState::get_tls_state().get_multithreading_enabled(),
+      "get_current_graph_task_execution_order expects the current backward to be "
+      "executed with multithreading disabled, e.g. by running:\n\n"
+      ">>> with torch.autograd.set_multithreading_enabled(False):\n"
+      "...     torch.autograd.grad(...)\n");
+  return nodes_to_list(call->planned_order());
+  END_HANDLE_TH_ERRORS
 }
 
 PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
@@ -502,6 +566,16 @@ PyMethodDef methods[] = {
      METH_VARARGS,
      "backward_weight(state, keep_graph) -> weight gradients: split backward's "
      "dW pass."},
+    {"execution_order",
+     py_execution_order,
+     METH_VARARGS,
+     "execution_order(roots, inputs, priorities) -> [Node]: the nodes a "
+     "torch_ext backward would run, in its order (torch_ext.execution_order)."},
+    {"_current_execution_order",
+     py_current_execution_order,
+     METH_NOARGS,
+     "_current_execution_order() -> [Node] or None: the run order of the "
+     "torch_ext backward whose node runs on this thread."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {

@@ -1,5 +1,5 @@
 // torch_ext._C's introspection of the engine: what bit-stable accumulation
-// held. Added to the module by init_engine_info_bindings (python_bindings.cpp).
+// held, and which current-node path runs. Added to the module by init_engine_info_bindings (python_bindings.cpp).
 
 #include "python_engine_info.h"
 
@@ -26,7 +26,25 @@ PyObject* py_held_gradient_stats(PyObject* /*module*/, PyObject* reset) {
       static_cast<long long>(stats.peak_held_bytes));
 }
 
+PyObject* py_current_node_state(PyObject* /*module*/, PyObject* /*unused*/) {
+  switch (current_node_state()) {
+    case CurrentNodeState::kAvailable:
+      return PyUnicode_FromString("available");
+    case CurrentNodeState::kUnavailable:
+      return PyUnicode_FromString("unavailable");
+    case CurrentNodeState::kUnknown:
+      break;
+  }
+  return PyUnicode_FromString("unknown");
+}
+
 PyMethodDef engine_info_methods[] = {
+    {"_current_node_state",
+     py_current_node_state,
+     METH_NOARGS,
+     "_current_node_state() -> 'available', 'unavailable' or 'unknown' (before "
+     "the process's first torch_ext backward): whether nodes are made the "
+     "current autograd node while they run (current_node.cpp)."},
     {"_held_gradient_stats",
      py_held_gradient_stats,
      METH_O,

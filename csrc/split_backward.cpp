@@ -2,7 +2,7 @@
 // runs D and keeps the frontier; the dW pass runs the weight subgraph from it.
 
 #include "split_backward.h"
-#include "stock_order.h"
+#include "schedule_replay.h"
 
 #include "batched_accumulation.h"
 #include "engine_api.h"

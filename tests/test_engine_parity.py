@@ -593,12 +593,6 @@ def test_current_autograd_node_in_hook_matches_stock():
     assert [event[2] for event in result.log if event[0] == "hook"] == [("MulBackward0",)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch._C._current_graph_task_execution_order() (multithreading disabled) returns "
-    "[torch_ext::BackwardDriver] under torch_ext instead of the order the graph's nodes will run in: it reads "
-    "the host graph task, whose only node is the driver.",
-)
 def test_current_graph_task_execution_order_matches_stock():
     def build():
         x, w = leaf(3), leaf(3)

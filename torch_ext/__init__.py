@@ -4,7 +4,9 @@ Importing torch_ext loads its C++ engine first and fails loudly (naming the torc
 for and the one it found) when that is not possible; see torch_ext/_loader.py.
 """
 
+from torch_ext.current_node import current_node_supported
 from torch_ext.engine import Engine, backward, disable, enable, enabled, grad, is_enabled
+from torch_ext.order import execution_order
 from torch_ext.priority import (
     LAUNCH_FIRST,
     auto_collective_priority,
@@ -33,9 +35,11 @@ __all__ = [
     "backward_input",
     "backward_weight",
     "clear_priority",
+    "current_node_supported",
     "disable",
     "enable",
     "enabled",
+    "execution_order",
     "get_priority",
     "grad",
     "is_enabled",

@@ -20,7 +20,20 @@ def _built_for() -> str | None:
         return None
 
 
+# TORCH_EXT_CURRENT_NODE: "on" (the default) makes each node the current autograd node while it runs
+# where that can be done safely; "off" forces the portable path (torch_ext.current_node_supported()).
+CURRENT_NODE_VARIABLE = "TORCH_EXT_CURRENT_NODE"
+CURRENT_NODE_MODES = ("on", "off")
+
+
+def _check_current_node_mode() -> None:
+    mode = os.environ.get(CURRENT_NODE_VARIABLE, "on")
+    if mode not in CURRENT_NODE_MODES:
+        raise ValueError(f"{CURRENT_NODE_VARIABLE} must be one of {CURRENT_NODE_MODES}, got {mode!r}")
+
+
 def load_extension():
+    _check_current_node_mode()
     built_for = _built_for()
     found = torch.__version__
     if built_for is None:

@@ -1,6 +1,8 @@
 #pragma once
 
-// Stock's delivery order, for bit-stable accumulation.
+// Replays of the schedule from the plan alone, nothing run: stock's delivery
+// order, for bit-stable accumulation, and torch_ext's own run order, for
+// torch_ext.execution_order() and _current_graph_task_execution_order().
 //
 // An input buffer sums the gradients reaching it in arrival order, and
 // floating-point addition is not associative: with three or more producers,
@@ -22,5 +24,19 @@ namespace torch_ext {
 // backward() over every node of the plan, whatever `needed` says (split
 // backward's two passes together must sum as one full backward does).
 void order_deliveries_as_stock(GraphPlan& plan, bool every_slot_runs);
+
+// The nodes torch_ext runs for `plan`, in the order it runs them: each
+// slot's effective priority, and the late key of a node fed by a result in
+// flight (a slot that `defers_wait` delivers to). Replayed from the plan
+// alone, nothing run.
+std::vector<Node*> planned_run_order(const GraphPlan& plan);
+
+// The nodes a torch_ext backward from `roots` would run (grad() semantics
+// with `inputs`, backward() without), in torch_ext's order, with
+// `priority_overrides` over the priority table.
+std::vector<Node*> planned_execution_order(
+    const edge_list& roots,
+    const edge_list& inputs,
+    std::vector<PriorityOverride> priority_overrides);
 
 } // namespace torch_ext

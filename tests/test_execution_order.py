@@ -1,0 +1,93 @@
+"""torch_ext.execution_order and the current-node path: the predicted order is the order that runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from engine_helpers import recsys_like
+
+import torch_ext
+
+
+def _traced_order(run) -> list[str]:
+    with torch_ext.trace() as trace:
+        run()
+    return [event["name"] for event in trace.events if event.get("kind", "node") == "node"]
+
+
+@pytest.mark.parametrize("with_priority", [False, True])
+def test_execution_order_is_the_order_backward_runs(with_priority):
+    loss, lookup, *_ = recsys_like()
+    priorities = {lookup: 7} if with_priority else None
+    predicted = [node.name() for node in torch_ext.execution_order(loss, priorities=priorities)]
+    ran = _traced_order(lambda: torch_ext.backward(loss, priorities=priorities, retain_graph=True))
+    assert predicted == ran
+
+
+def test_execution_order_without_priorities_is_stock_order():
+    loss, lookup, *_ = recsys_like()
+    stock = []
+    hook = loss.grad_fn.register_prehook(
+        lambda grads: stock.extend(n.name() for n in torch._C._current_graph_task_execution_order())
+    )
+    with torch.autograd.set_multithreading_enabled(False):
+        loss.backward(retain_graph=True)
+    hook.remove()
+    assert [n.name() for n in torch_ext.execution_order(loss)] == stock
+    assert [n.name() for n in torch_ext.execution_order(loss, priorities={lookup: 7})] != stock
+
+
+def test_execution_order_of_grad_lists_the_needed_nodes_only():
+    x = torch.randn(4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    loss = (x @ w).tanh().sum()
+    predicted = [n.name() for n in torch_ext.execution_order(loss, inputs=[x])]
+    ran = _traced_order(lambda: torch_ext.grad(loss, [x], retain_graph=True))
+    assert predicted == ran
+
+
+def test_execution_order_rejects_bad_input():
+    with pytest.raises(TypeError, match="must be Tensors or GradientEdges"):
+        torch_ext.execution_order([3])
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch_ext.execution_order(torch.zeros(2))
+
+
+def test_current_graph_task_execution_order_reports_torch_ext_priorities():
+    loss, lookup, *_ = recsys_like()
+    seen = []
+    loss.grad_fn.register_prehook(lambda grads: seen.append(torch._C._current_graph_task_execution_order()))
+    with torch.autograd.set_multithreading_enabled(False):
+        torch_ext.backward(loss, priorities={lookup: 7}, retain_graph=True)
+    assert [n.name() for n in seen[0]] == [n.name() for n in torch_ext.execution_order(loss, priorities={lookup: 7})]
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_current_node_switch(mode):
+    code = (
+        "import torch, torch_ext\n"
+        "x = torch.randn(3, requires_grad=True)\n"
+        "y = x.exp()\n"
+        "seen = []\n"
+        "y.grad_fn.register_prehook(lambda g: seen.append(torch._C._current_autograd_node().name()))\n"
+        "torch_ext.backward(y.sum())\n"
+        "print(torch_ext.current_node_supported(), seen[0])\n"
+    )
+    env = dict(os.environ, TORCH_EXT_CURRENT_NODE=mode)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    supported, current = out.split()
+    if mode == "off":
+        assert (supported, current) == ("False", "torch_ext::BackwardDriver")
+    elif torch_ext.current_node_supported():
+        assert (supported, current) == ("True", "ExpBackward0")
+
+
+def test_bad_current_node_mode_is_named():
+    env = dict(os.environ, TORCH_EXT_CURRENT_NODE="sometimes")
+    result = subprocess.run([sys.executable, "-c", "import torch_ext"], env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "TORCH_EXT_CURRENT_NODE must be one of ('on', 'off'), got 'sometimes'" in result.stderr
