@@ -51,6 +51,15 @@ class BackwardRecord:
     def hook_labels(self) -> list[str]:
         return [event[1] for event in self.log if event[0] == "hook"]
 
+    @property
+    def hook_values(self) -> dict[str, list[tuple]]:
+        """What each hook saw, call after call: the same for two engines that may call hooks in another order."""
+        values: dict[str, list[tuple]] = {}
+        for event in self.log:
+            if event[0] == "hook":
+                values.setdefault(event[1], []).append(event[2])
+        return values
+
 
 def _snapshot(value):
     # Hooks see gradients the engine may later accumulate into in place: copy them when called.
