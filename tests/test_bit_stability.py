@@ -46,9 +46,9 @@ class Priority:
     how: str
 
 
-def _priorities(hows: tuple[str, ...]):
+def _priorities(hows: tuple[str, ...], min_size: int, max_size: int):
     choice = st.builds(Priority, st.integers(0, 10**6), st.integers(-3, 3), st.sampled_from(hows))
-    return st.lists(choice, min_size=1, max_size=6)
+    return st.lists(choice, min_size=min_size, max_size=max_size)
 
 
 def _apply(priorities: list[Priority], roots) -> dict:
@@ -124,33 +124,38 @@ def _run_grad(program, priorities: list[Priority] | None) -> tuple[list, Backwar
     return results, record
 
 
-# float64, values feeding three or more later ops, some retaining their grad. Today's engine differs from
-# stock on about 1 in 10 such graphs (issue #12: 34 of 300); 200 examples per test take a few seconds.
+# float64, values feeding three or more later ops, some retaining their grad. An engine summing in arrival order
+# differs from stock on about 1 in 10 such graphs (issue #12: 34 of 300); 150 examples per test take seconds.
 FUZZ_SETTINGS = settings(
-    max_examples=200,
+    max_examples=150,
     deadline=None,
     derandomize=True,
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 FAN_IN_PROGRAMS = programs(dtype=torch.float64, max_ops=24, fan_in=True, retain_grad=True)
-PROPAGATED = ("call", "set", "launch_first")
-LOCAL = ("set_local",)
+PRIORITIES = {
+    "propagated": _priorities(("call", "set", "launch_first"), 1, 6),
+    # A priority that does not propagate reorders only among nodes ready together, so it takes more of them to
+    # reorder producers as often (measured on the engine before bit-stable accumulation: 6% of these examples
+    # differed from stock with 3 to 12, 1-3% with 1 to 6; propagated priorities, 10%).
+    "propagate_false": _priorities(("set_local",), 3, 12),
+}
 
 
-@pytest.mark.parametrize("hows", [PROPAGATED, LOCAL], ids=["propagated", "propagate_false"])
+@pytest.mark.parametrize("drawn_priorities", list(PRIORITIES.values()), ids=list(PRIORITIES))
 @FUZZ_SETTINGS
 @given(program=FAN_IN_PROGRAMS, data=st.data())
-def test_random_priorities_keep_backward_bits(hows, program, data):
-    priorities = data.draw(_priorities(hows))
+def test_random_priorities_keep_backward_bits(drawn_priorities, program, data):
+    priorities = data.draw(drawn_priorities)
     _assert_same_bits(_run_backward(program, None), _run_backward(program, priorities))
 
 
-@pytest.mark.parametrize("hows", [PROPAGATED, LOCAL], ids=["propagated", "propagate_false"])
+@pytest.mark.parametrize("drawn_priorities", list(PRIORITIES.values()), ids=list(PRIORITIES))
 @FUZZ_SETTINGS
 @given(program=FAN_IN_PROGRAMS, data=st.data())
-def test_random_priorities_keep_grad_bits(hows, program, data):
-    priorities = data.draw(_priorities(hows))
+def test_random_priorities_keep_grad_bits(drawn_priorities, program, data):
+    priorities = data.draw(drawn_priorities)
     stock_results, stock = _run_grad(program, None)
     ext_results, ext = _run_grad(program, priorities)
     for run, (s_run, e_run) in enumerate(zip(stock_results, ext_results, strict=True)):
