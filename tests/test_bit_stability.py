@@ -10,7 +10,8 @@ tolerance:
 - random float64 graphs whose values feed three or more ops, with random priorities: leaf ``.grad``,
   ``retain_grad()`` values, ``grad()`` results and what tensor hooks see;
 - the issue's program on a one-rank gloo group, where a collective's deferred wait alone reorders;
-- hand-written producers into one buffer, 2 (commute: passes whatever the order), 3 and 5.
+- hand-written producers into one buffer, 2 (commute: passes whatever the order), 3 and 5;
+- two producers whose sum keeps stock's layout (strides), which commuting values do not guarantee.
 """
 
 from __future__ import annotations
