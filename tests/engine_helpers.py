@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
+from hypothesis import strategies as st
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import torch_ext
@@ -49,6 +50,15 @@ class BackwardRecord:
     @property
     def hook_labels(self) -> list[str]:
         return [event[1] for event in self.log if event[0] == "hook"]
+
+    @property
+    def hook_values(self) -> dict[str, list[tuple]]:
+        """What each hook saw, call after call: the same for two engines that may call hooks in another order."""
+        values: dict[str, list[tuple]] = {}
+        for event in self.log:
+            if event[0] == "hook":
+                values.setdefault(event[1], []).append(event[2])
+        return values
 
 
 def _snapshot(value):
@@ -248,3 +258,155 @@ def recsys_like(seed=0, exchange=None, layers=3):
         dense = torch.relu(dense @ w)
     loss = (sparse * dense).sum()
     return loss, lookup, w_sparse, w_dense, [table, *w_sparse, *w_dense]
+
+
+# Random programs: hypothesis draws a small graph, test_engine_fuzz and test_bit_stability run it on both engines.
+
+N = 3
+NUM_LEAVES = 4
+
+
+def _inplace_on_clone(a):
+    c = a.clone()
+    c[1:].mul_(2)
+    return c
+
+
+def _inplace_on_view_of_clone(a, b):
+    c = a.clone(memory_format=torch.contiguous_format)
+    c[:, 1:].mul_(b[:, 1:])
+    c.view(-1)[0] = b[0, 0] * 3
+    return c
+
+
+def _inplace_chain(a, b):
+    c = a.clone()
+    c.t_()
+    c.add_(b).mul_(b).sigmoid_()
+    return c
+
+
+UNARY = {
+    "sin": torch.sin,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "relu": torch.relu,
+    "scale": lambda a: a * 1.5,
+    "square": lambda a: a * a,
+    "t": lambda a: a.t(),
+    "flip_view": lambda a: a.reshape(-1).flip(0).view(N, N),
+    "row_sum_scale": lambda a: a.sum(1, keepdim=True) * a,
+    "col_mean_expand": lambda a: a.mean(0, keepdim=True).expand(N, N),
+    "amax_add": lambda a: a.amax(0, keepdim=True) + a,
+    "softmax": lambda a: a.softmax(-1),
+    "cumsum": lambda a: a.cumsum(0),
+    "unbind_stack": lambda a: torch.stack(a.unbind(0)[::-1]),
+    "chunk_swap": lambda a: torch.cat(a.chunk(3, 1)[::-1], 1),
+    "index_select": lambda a: a.index_select(0, torch.tensor([2, 0, 0])),
+    "clamp": lambda a: a.clamp(-0.5, 0.5),
+    "inplace_on_clone": _inplace_on_clone,
+    "detach": lambda a: a.detach(),
+}
+
+BINARY = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "matmul": torch.matmul,
+    "where": lambda a, b: torch.where(a > 0, a, b),
+    "cat_rows": lambda a, b: torch.cat([a[:1], b[1:]]),
+    "inplace_on_view_of_clone": _inplace_on_view_of_clone,
+    "inplace_chain": _inplace_chain,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    name: str
+    args: tuple[int, ...]
+    # A logging hook on the result, halving the gradient when `replace` (only for results needing grad).
+    hook: str | None = None
+    # retain_grad() on the result (only for results needing grad): Program.build returns it after the leaves.
+    retain: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Root:
+    value: int
+    kind: str  # "tensor": grad given; "scalar": .sum(), no grad; "edge": GradientEdge, grad given
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A random graph over NUM_LEAVES (N, N) leaves; value i > NUM_LEAVES is the result of ops[i - NUM_LEAVES]."""
+
+    ops: tuple[Op, ...]
+    roots: tuple[Root, ...]
+    runs: int
+    dtype: torch.dtype = torch.float32
+
+    def build(self):
+        """``(roots, leaves followed by the values that retain their grad)``, from the current seed."""
+        values = [torch.randn(N, N, dtype=self.dtype, requires_grad=True) for _ in range(NUM_LEAVES)]
+        retained = []
+        for i, op in enumerate(self.ops):
+            fn = UNARY.get(op.name) or BINARY[op.name]
+            value = fn(*(values[a] for a in op.args))
+            if op.hook is not None:
+                replace = (lambda g: g * 0.5) if op.hook == "replace" else None
+                value.register_hook(hook(f"value {NUM_LEAVES + i}", replace))
+            if op.retain:
+                value.retain_grad()
+                retained.append(value)
+            values.append(value)
+        roots = []
+        for root in self.roots:
+            value = values[root.value]
+            if root.kind == "scalar":
+                roots.append(value.sum())
+            elif root.kind == "edge":
+                roots.append(get_gradient_edge(value))
+            else:
+                roots.append(value)
+        return roots, values[:NUM_LEAVES] + retained
+
+    def grad_tensors(self):
+        generator = torch.Generator().manual_seed(len(self.ops))
+        return [
+            None if r.kind == "scalar" else torch.randn(N, N, generator=generator, dtype=self.dtype) for r in self.roots
+        ]
+
+
+# With fan_in, half the arguments are one of the FAN_IN_WINDOW latest values, so that most values feed
+# several later ops and their nodes' input buffers sum three or more gradients.
+FAN_IN_WINDOW = 3
+
+
+@st.composite
+def programs(draw, *, dtype=torch.float32, max_ops=16, fan_in=False, retain_grad=False):
+    """Random :class:`Program` s. The defaults draw exactly as test_engine_fuzz always has (its examples
+    are derandomized); ``fan_in`` favours recent values as arguments, ``retain_grad`` draws Op.retain."""
+    requires_grad = [True] * NUM_LEAVES
+    ops = []
+
+    def argument():
+        if fan_in and draw(st.booleans()):
+            return draw(st.integers(max(0, len(requires_grad) - FAN_IN_WINDOW), len(requires_grad) - 1))
+        return draw(st.integers(0, len(requires_grad) - 1))
+
+    for _ in range(draw(st.integers(1, max_ops))):
+        binary = draw(st.booleans())
+        name = draw(st.sampled_from(sorted(BINARY if binary else UNARY)))
+        args = tuple(argument() for _ in range(2 if binary else 1))
+        needs_grad = name != "detach" and any(requires_grad[a] for a in args)
+        hook_kind = draw(st.sampled_from([None, None, "log", "replace"])) if needs_grad else None
+        retain = needs_grad and retain_grad and draw(st.booleans())
+        ops.append(Op(name, args, hook_kind, retain))
+        requires_grad.append(needs_grad)
+    # Roots are computed values needing grad, plus, now and then, a leaf (its AccumulateGrad is the root).
+    computed = [i for i in range(NUM_LEAVES, len(requires_grad)) if requires_grad[i]]
+    chosen = draw(st.lists(st.sampled_from(computed[::-1]), min_size=1, max_size=3)) if computed else []
+    if not chosen or draw(st.integers(0, 4)) == 0:
+        chosen.append(draw(st.integers(0, NUM_LEAVES - 1)))
+    roots = tuple(Root(v, draw(st.sampled_from(["tensor", "scalar", "edge"]))) for v in chosen)
+    return Program(tuple(ops), roots, draw(st.sampled_from([1, 1, 1, 2])), dtype)

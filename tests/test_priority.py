@@ -134,10 +134,24 @@ def test_per_call_priorities_override_and_do_not_persist():
 
 
 def test_grad_accepts_priorities():
-    loss, lookup, w_sparse, w_dense, _ = recsys_like()
-    stock = torch.autograd.grad(loss, w_sparse + w_dense, retain_graph=True)
-    ext = torch_ext.grad(loss, w_sparse + w_dense, priorities={lookup: 3})
-    assert_grads_equal(list(stock), list(ext))
+    grads = {}
+
+    def grad_of_every_leaf(grad, call_kwargs):
+        def run(loss, lookup, w_sparse, w_dense):
+            table = lookup.grad_fn.next_functions[0][0].variable  # lookup = table.exp()
+            grads[grad] = grad(loss, [table, *w_sparse, *w_dense], **call_kwargs(lookup))
+
+        return run
+
+    stock_order, _, (stock_lookup, _, _) = run_and_record(grad_of_every_leaf(torch.autograd.grad, lambda _: {}))
+    order, _, (lookup, _, _) = run_and_record(
+        grad_of_every_leaf(torch_ext.grad, lambda lookup: {"priorities": {lookup: 3}})
+    )
+    # Ignoring the priority would leave stock's order, where the lookup runs after the dense path.
+    assert not _lookup_runs_before_dense_matmuls(stock_order, stock_lookup)
+    assert _lookup_runs_before_dense_matmuls(order, lookup)
+    assert sorted(names(order)) == sorted(names(stock_order))
+    assert_grads_equal(list(grads[torch.autograd.grad]), list(grads[torch_ext.grad]))
 
 
 def test_clear_priority_restores_stock_order():

@@ -2,8 +2,9 @@
 
 A test module hands :func:`run_ranks` a module-level function of the rank; each spawned rank joins
 one process group, calls it and sends back what it returned (nested dicts and lists of tensors,
-numbers and None). Spawning is most of a distributed test's time, so a module runs all its cases in
-one pair of processes, each case on both engines (:func:`train_on_both_engines`).
+numbers and None). Spawning is most of a distributed test's time, so a module runs its cases in few
+pairs of processes (one per concern, so that a failure or hang in one spares the rest), each case on
+both engines (:func:`train_on_both_engines`).
 """
 
 from __future__ import annotations

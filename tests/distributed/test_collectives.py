@@ -1,7 +1,9 @@
 """torch_ext's collective ops on two gloo ranks: values, deferred waits, automatic priority, opcheck, compile.
 
-Every check runs inside one pair of spawned ranks (spawning dominates a distributed test's time);
-each rank returns plain data and the tests below assert on it. Reference values come from stock
+The checks are grouped by concern, one pair of spawned ranks per group (spawning, ~7 s, dominates a
+distributed test's time): the ops' values and errors, scheduling, failures during backward, and
+torch.compile. A failure or hang in one group fails only the tests of that group. Each rank returns
+plain data and the tests below assert on it. Reference values come from stock
 PyTorch: c10d for forward, PyTorch's functional collectives (``*_autograd``) on the stock engine
 for backward, which torch_ext's formulas must match bit for bit on either engine.
 
@@ -11,6 +13,7 @@ collectives register each launched work there until ``wait_tensor`` takes it out
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 
@@ -317,29 +320,40 @@ def _anomaly_nan(rank: int) -> dict:
     return messages
 
 
-def _run_everything(rank: int) -> dict:
-    return {
-        "values": _values(rank),
-        "coalesced": _coalesced(rank),
-        "scheduling": _scheduling(rank),
-        "error": _error_with_collective_in_flight(rank),
-        "anomaly_nan": _anomaly_nan(rank),
-        "opcheck": _opchecks(rank),
-        "compiled": _compiled(rank),
-        "bad_input": _bad_input(rank),
-    }
+# One spawn per concern: {concern: {result key: what each rank runs}}.
+CONCERNS = {
+    "ops": {"values": _values, "coalesced": _coalesced, "opcheck": _opchecks, "bad_input": _bad_input},
+    # Node order and deferred waits, the thing most likely to hang when the engine changes.
+    "scheduling": {"scheduling": _scheduling},
+    # Backward raising, or a peer late with a NaN, while a collective is in flight.
+    "failures": {"error": _error_with_collective_in_flight, "anomaly_nan": _anomaly_nan},
+    "compile": {"compiled": _compiled},
+}
 
 
-@pytest.fixture(scope="module")
-def rank_results(tmp_path_factory):
-    return run_ranks(_run_everything, tmp_path_factory.mktemp("collectives"))
+def _run_concern(concern: str, rank: int) -> dict:
+    return {key: run(rank) for key, run in CONCERNS[concern].items()}
+
+
+def _spawned_for(concern: str):
+    @pytest.fixture(scope="module")
+    def results(tmp_path_factory) -> list[dict]:
+        return run_ranks(functools.partial(_run_concern, concern), tmp_path_factory.mktemp(concern))
+
+    return results
+
+
+ops_results = _spawned_for("ops")
+scheduling_results = _spawned_for("scheduling")
+failures_results = _spawned_for("failures")
+compile_results = _spawned_for("compile")
 
 
 @pytest.mark.parametrize(
     "op_name", ["all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"]
 )
-def test_values_match_stock(op_name, rank_results):
-    for rank, result in enumerate(rank_results):
+def test_values_match_stock(op_name, ops_results):
+    for rank, result in enumerate(ops_results):
         runs = result["values"][op_name]
         # Forward and input gradient: torch_ext's op, on either engine, equals PyTorch's own.
         assert_identical(runs["stock"], runs["reference"], f"rank {rank} {op_name} stock engine")
@@ -348,8 +362,8 @@ def test_values_match_stock(op_name, rank_results):
             assert torch.equal(runs["stock"]["forward"], runs["c10d"]["forward"])
 
 
-def test_all_reduce_coalesced_matches_one_all_reduce_per_tensor(rank_results):
-    for rank, result in enumerate(rank_results):
+def test_all_reduce_coalesced_matches_one_all_reduce_per_tensor(ops_results):
+    for rank, result in enumerate(ops_results):
         runs = result["coalesced"]
         assert_identical(runs["stock"], runs["reference"], f"rank {rank} stock engine")
         assert_identical(runs["torch_ext"], runs["reference"], f"rank {rank} torch_ext engine")
@@ -363,8 +377,8 @@ def _order(log) -> list[str]:
 
 
 @pytest.mark.parametrize("family", ["torch_ext", "functional"])
-def test_collective_launches_first_on_torch_ext(family, rank_results):
-    for rank, result in enumerate(rank_results):
+def test_collective_launches_first_on_torch_ext(family, scheduling_results):
+    for rank, result in enumerate(scheduling_results):
         runs = {
             variant: result["scheduling"][(family, variant)] for variant in ("stock", "torch_ext", "torch_ext_auto_off")
         }
@@ -383,10 +397,10 @@ def test_collective_launches_first_on_torch_ext(family, rank_results):
             assert run["in_flight_after"] == 0, f"rank {rank} {variant}: a collective was never waited on"
 
 
-def test_backward_collective_overlaps_later_nodes(rank_results):
+def test_backward_collective_overlaps_later_nodes(scheduling_results):
     """torch_ext's op leaves its gradient collective in flight while the dense chain runs, and its
     reader (the consumer) runs last and waits; on stock nothing is ever in flight at a node."""
-    for rank, result in enumerate(rank_results):
+    for rank, result in enumerate(scheduling_results):
         ours = result["scheduling"][("torch_ext", "torch_ext")]["log"]
         in_flight_at = dict(ours)
         assert in_flight_at["dense_top"] == 1 and in_flight_at["dense_bottom"] == 1, ours
@@ -400,8 +414,8 @@ def test_backward_collective_overlaps_later_nodes(rank_results):
         assert all(count == 0 for _, count in functional), functional
 
 
-def test_error_after_launch_still_waits(rank_results):
-    for rank, result in enumerate(rank_results):
+def test_error_after_launch_still_waits(failures_results):
+    for rank, result in enumerate(failures_results):
         error = result["error"]
         assert error["message"] is not None and "dense backward failed" in error["message"]
         assert error["in_flight_after_error"] == 0
@@ -412,18 +426,18 @@ def test_error_after_launch_still_waits(rank_results):
     "op_name",
     ["all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce_coalesced"],
 )
-def test_opcheck(op_name, rank_results):
-    for result in rank_results:
+def test_opcheck(op_name, ops_results):
+    for result in ops_results:
         outcomes = result["opcheck"][op_name]
         assert outcomes and all(outcome == "SUCCESS" for outcome in outcomes.values()), outcomes
 
 
-def test_compile_fullgraph(rank_results):
-    for rank, result in enumerate(rank_results):
+def test_compile_fullgraph(compile_results):
+    for rank, result in enumerate(compile_results):
         assert_identical(result["compiled"]["compiled"], result["compiled"]["eager"], f"rank {rank} compiled")
 
 
-def test_bad_input_errors(rank_results):
+def test_bad_input_errors(ops_results):
     expected = {
         "split_sum": "ValueError: torch_ext.ops.all_to_all_single: input_split_sizes sum to",
         "split_count": "ValueError: torch_ext.ops.all_to_all_single: output_split_sizes has 3 entries, the group has 2",
@@ -436,7 +450,7 @@ def test_bad_input_errors(rank_results):
         "bucket_empty": "ValueError: torch_ext.ops.all_reduce_coalesced: inputs is empty",
         "bucket_unsupported_dtype": "ValueError: torch_ext.ops.all_reduce_coalesced: inputs[0] is torch.float64; a bucket",
     }
-    for result in rank_results:
+    for result in ops_results:
         for label, prefix in expected.items():
             message = result["bad_input"][label]
             assert message is not None and message.startswith(prefix), (label, message)
@@ -448,11 +462,11 @@ def test_no_process_group_is_a_clear_error():
         xops.all_to_all_single(torch.ones(2, 2))
 
 
-def test_anomaly_mode_finds_nan_in_a_collective_gradient_as_on_stock(rank_results):
-    for rank, result in enumerate(rank_results):
+def test_anomaly_mode_finds_nan_in_a_collective_gradient_as_on_stock(failures_results):
+    for rank, result in enumerate(failures_results):
         messages = result["anomaly_nan"]
         assert messages["torch_ext"] == messages["stock"], f"rank {rank}: {messages}"
         assert messages["in_flight_after"] == 0
     # Rank 0 received the NaN: stock's message names the collective's node.
-    assert "all_to_all_single" in rank_results[0]["anomaly_nan"]["stock"]
-    assert "returned nan values" in rank_results[0]["anomaly_nan"]["stock"]
+    assert "all_to_all_single" in failures_results[0]["anomaly_nan"]["stock"]
+    assert "returned nan values" in failures_results[0]["anomaly_nan"]["stock"]
