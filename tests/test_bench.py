@@ -6,6 +6,7 @@ import csv
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -260,7 +261,7 @@ def test_stock_backward_events_mark_the_collective_and_its_wait(monkeypatch, sin
 def test_overlap_timeline_of_stock_and_torch_ext(tmp_path):
     png = tmp_path / "timeline.png"
     result = subprocess.run(
-        [sys.executable, str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--reps", "2", "--no-netns"]
+        [sys.executable, str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--reps", "2", "--network", "loopback"]
         + ["--timeline", str(png), "--out", str(tmp_path / "overlap.csv")],
         check=False,
         capture_output=True,
@@ -289,17 +290,124 @@ def test_overlap_timeline_of_stock_and_torch_ext(tmp_path):
     assert ext_launch < ext_last_addmm
 
 
-@pytest.mark.distributed
-def test_run_ranks_reports_failed_ranks_promptly(monkeypatch):
-    monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
-    import overlap
+# A script run by _hosts.run_on_two_hosts: both ranks all_reduce and hand back what they saw; with --fail-rank R,
+# rank R fails after joining the process group while the other waits in the all_reduce.
+RANK_SCRIPT = """
+import argparse, os, socket, sys
+sys.path.insert(0, {benchmarks!r})
+import torch, torch.distributed as dist
+from _hosts import write_rank_result
+parser = argparse.ArgumentParser()
+parser.add_argument("--fail-rank", type=int)
+parser.add_argument("--rank-results")
+args = parser.parse_args()
+dist.init_process_group("gloo")
+if dist.get_rank() == args.fail_rank:
+    sys.exit("failing on purpose")
+value = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(value)
+write_rank_result(args.rank_results, {{"rank": dist.get_rank(), "sum": value.item(), "host": socket.gethostname()}})
+"""
 
-    # No calibration samples: both ranks fail at once (statistics.median of nothing).
-    config = overlap.Config(payload_mib=0.1, reps=2, warmup=0, calibration_reps=0)
+
+@pytest.fixture
+def hosts(monkeypatch, tmp_path):
+    """benchmarks/_hosts.py, and a rank script for it."""
+    monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
+    import _hosts
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT.format(benchmarks=str(bench.benchmarks_dir())))
+    return _hosts, str(script)
+
+
+def _our_namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith("torch_ext_host")]
+
+
+def _can_make_namespaces() -> bool:
+    return os.geteuid() == 0 and all(shutil.which(tool) for tool in ("ip", "tc", "unshare", "hostname"))
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, iproute2 and util-linux")
+def test_two_hosts_run_torchrun_in_their_namespaces(hosts):
+    _hosts, script = hosts
+    run = _hosts.run_on_two_hosts(script, [], timeout_s=120)
+    assert run.network.mode == "two-hosts" and "veth" in run.network.label
+    assert run.results == [{"rank": 0, "sum": 3.0, "host": "host0"}, {"rank": 1, "sum": 3.0, "host": "host1"}]
+    assert not _our_namespaces()
+    assert not list(_hosts.NETNS_ETC.glob(f"{_hosts.NETNS_PREFIX}*"))
+
+
+@pytest.mark.distributed
+def test_hosts_fall_back_to_loopback_and_say_why(hosts, monkeypatch, capfd):
+    _hosts, script = hosts
+    monkeypatch.setattr(_hosts.os, "geteuid", lambda: 1000)
+    run = _hosts.run_on_two_hosts(script, [], timeout_s=120)
+    assert run.network.mode == "loopback"
+    assert run.network.label.startswith("plain loopback (fallback; no two-hosts: ")
+    assert "need root" in run.network.label and ", " not in run.network.label
+    assert [result["sum"] for result in run.results] == [3.0, 3.0]
+    assert "cannot run as two-hosts" in capfd.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["two-hosts", "loopback"])
+def test_a_failed_rank_is_reported_promptly_and_nothing_is_left(hosts, mode):
+    _hosts, script = hosts
+    if mode == "two-hosts" and not _can_make_namespaces():
+        pytest.skip("needs root, iproute2 and util-linux")
+    before = _descendants(os.getpid())
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] failed|ranks \[[01]\] failed"):
-        overlap.run_ranks(config)
+    with pytest.raises(RuntimeError, match=r"host[01] failed \(exit status 1\)"):
+        _hosts.run_on_two_hosts(script, ["--fail-rank", "1"], mode=mode, timeout_s=120)
     assert time.monotonic() - start < 60
+    assert _descendants(os.getpid()) == before
+    assert not _our_namespaces()
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(entry))
+    found, pending = set(), [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            if _alive(child):
+                found.add(child)
+            pending.append(child)
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, iproute2 and util-linux")
+def test_sigterm_to_overlap_stops_both_hosts_and_deletes_the_namespaces(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--out", str(tmp_path / "o.csv")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        # Until both ranks run (two torchruns and their workers).
+        deadline = time.monotonic() + 120
+        while len(_descendants(process.pid)) < 4 or not _our_namespaces():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.2)
+        started = _descendants(process.pid)
+        process.terminate()
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0
+    assert not any(_alive(pid) for pid in started)
+    assert not _our_namespaces()
 
 
 def _alive(pid: int) -> bool:
