@@ -62,13 +62,14 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from _common import Summary, csv_row, git_sha, progress, summarize, write_csv
+from _common import Summary, SummaryRow, bar_chart, csv_row, git_sha, progress, summarize, write_csv
 from _hosts import MODES, RANK_RESULTS_OPTION, run_on_two_hosts, write_rank_result
 from torch import nn
 
@@ -524,6 +525,52 @@ def main(argv: list[str] | None = None) -> int:
     run = run_on_two_hosts(__file__, forwarded, mode=args.network)
     report(slowest_rank(run.results), run.network.label, args.out)
     return 0
+
+
+# --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
+
+
+OVERLAP_NOTES = {"compute": "T_compute: the all_to_all replaced by a local copy", "comm": "T_comm: all_to_all alone"}
+
+
+def summary_rows(rows: dict) -> list[SummaryRow]:
+    summary = []
+    stock = rows[("stock", "overlap", "backward_ms")]
+    # "<dim>d x <rows> rows, <n> dense layers, <link>": the link (whether anything can overlap) names the case.
+    scenario, _, case = stock["size"].rpartition(", ")
+    for (variant, _, metric), row in rows.items():
+        if metric != "backward_ms":
+            continue
+        ms = row["median"]
+        values = {"backward_ms": ms}
+        efficiency = rows.get((variant, "overlap", "efficiency"))
+        if efficiency is not None:
+            values["efficiency"] = efficiency["median"]
+            values["ratio"] = ms / stock["median"]
+            ratio = f"{values['ratio']:.2f}"
+            notes = f"overlap efficiency {efficiency['median']:.2f}"
+            if variant == "stock":
+                notes += f"; {scenario}"
+        else:
+            ratio = "-"
+            notes = OVERLAP_NOTES.get(variant, "")
+        summary.append(
+            SummaryRow(
+                "overlap", case, variant, f"stock {stock['median']:.3g} ms", f"{ms:.3g} ms", ratio, notes, values
+            )
+        )
+    return summary
+
+
+def plot(rows: Sequence[SummaryRow], figure) -> None:
+    collective = [r for r in rows if "efficiency" in r.values]
+    left, right = figure.subplots(1, 2)
+    labels = [r.variant for r in collective]
+    bar_chart(left, labels, {"efficiency": [r.values["efficiency"] for r in collective]}, "overlap efficiency", 1.0)
+    left.set_title("overlap efficiency (1: all hidden)")
+    bar_chart(right, labels, {"step / stock": [r.values["ratio"] for r in collective]}, "backward time / stock", 1.0)
+    right.set_title("backward time / stock")
+    figure.suptitle(f"Overlap of a backward all_to_all on 2 gloo ranks, {rows[0].case}")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,10 @@ def test_benchmark_scripts_are_found():
     directory = bench.benchmarks_dir()
     for benchmark in bench.all_benchmarks().values():
         assert benchmark.script.is_file()
+        # Each script owns its summary rows and its plot.
+        module = bench.benchmark_module(benchmark.name)
+        assert callable(module.summary_rows) and callable(module.plot)
+        assert module.__file__ == str(benchmark.script)
     assert (directory / "_common.py").is_file()
 
 
@@ -482,13 +486,14 @@ def test_split_backward_summary_uses_the_paired_ratios(tmp_path, monkeypatch):
     assert "dI+dW 0.96" in rows["torch_ext"].ratio
     # The plot draws the same numbers.
     drawn = []
-    real_bar_chart = bench._bar_chart
+    split_backward = bench.benchmark_module("split_backward")
+    real_bar_chart = split_backward.bar_chart
 
     def recording_bar_chart(ax, labels, series, ylabel, line):
         drawn.append(series)
         real_bar_chart(ax, labels, series, ylabel, line)
 
-    monkeypatch.setattr(bench, "_bar_chart", recording_bar_chart)
+    monkeypatch.setattr(split_backward, "bar_chart", recording_bar_chart)
     bench.write_plots(tmp_path, list(rows.values()))
     assert drawn == [{"pipelining": [22 / 40, 22 / 40, 1.12], "torch_ext": [0.53, 18 / 40, 0.96]}]
 
@@ -537,9 +542,15 @@ def test_only_runs_each_benchmark_once(monkeypatch, tmp_path):
 def test_git_sha_ignores_a_repository_around_an_installed_package(monkeypatch, tmp_path):
     # A wheel installed into a virtualenv inside some other project's repository.
     package = tmp_path / "project" / ".venv" / "site-packages" / "torch_ext"
-    package.mkdir(parents=True)
+    (package / "benchmarks").mkdir(parents=True)
     git = ["git", "-C", str(tmp_path / "project"), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run(["git", "init", "-q", str(tmp_path / "project")], check=True)
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "project"], check=True)
-    monkeypatch.setattr(bench, "__file__", str(package / "bench.py"))
-    assert bench._git_sha() == "nogit"
+    common = bench._common()
+    monkeypatch.setattr(common, "__file__", str(package / "benchmarks" / "_common.py"))
+    assert common.git_sha() == "nogit"
+    # The checkout's own sha otherwise: the CSVs and the results folder name use this one helper.
+    monkeypatch.undo()
+    sha = common.git_sha()
+    assert sha == "nogit" or all(c in "0123456789abcdef" for c in sha)
+    assert f"-{sha}-quick" in bench.default_folder(quick=True).name
