@@ -13,7 +13,8 @@ endpoint is its own name, every rank learns rank 0's address from its host name,
 its host name resolves to, the veth's.
 
 The launcher runs the script on both hosts, and passes it ``--rank-results DIR``: each rank writes its result
-there with ``write_rank_result`` and ``run_on_two_hosts`` returns them in rank order. When the namespaces
+there with ``write_rank_result``, then leaves with ``leave_rank``, and ``run_on_two_hosts`` returns the
+results in rank order. When the namespaces
 cannot be made (not root, no iproute2 or util-linux, no veth), it says why and falls back: to both torchruns
 in one namespace whose loopback is shaped, then to both on plain loopback, where gloo's copies compete with
 compute for the same cores and nothing can overlap. ``Network.label`` says which ran, for a benchmark's CSV.
@@ -40,6 +41,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from _common import progress
 
@@ -88,6 +90,16 @@ def write_rank_result(directory: str, result: object) -> None:
     partial.write_text(json.dumps(result))
     # A result is there whole or not at all.
     partial.replace(path)
+
+
+def leave_rank() -> NoReturn:
+    """In the script, on every rank, after ``write_rank_result`` (and ``destroy_process_group``): exits with
+    status 0 at once, without the interpreter's and C++'s exit-time teardown. Ranks that had done all their
+    work died there ("terminate called without an active exception", some library's thread still joinable at
+    exit): in a CI run of overlap.py, and in 2 of 4 runs of tests/test_bench.py's all_reduce script without it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_two_hosts(

@@ -42,6 +42,9 @@ namespaces joined by a veth pair shaped to 1 Gbit/s with HTB, each rank started 
 What cannot be made falls back, said in the log and in the CSV's size column: to one namespace with a
 shaped loopback, then to plain loopback, where no engine can show overlap.
 
+Started by torchrun itself (on two real machines, README "Across machines"), the script is one rank:
+rank 0 prints the table and writes the CSV.
+
 With ``--timeline PNG``, after timing, both ranks run one more backward of stock and one of torch_ext
 under a tracer (stock: ``torch.profiler``, converted by ``stock_backward_events``; torch_ext:
 ``torch_ext.trace()``), and rank 0 draws rank 0's two timelines one above the other with
@@ -70,7 +73,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from _common import Summary, SummaryRow, bar_chart, csv_row, git_sha, progress, summarize, write_csv
-from _hosts import MODES, RANK_RESULTS_OPTION, run_on_two_hosts, write_rank_result
+from _hosts import MODES, RANK_RESULTS_OPTION, leave_rank, run_on_two_hosts, write_rank_result
 from torch import nn
 
 import torch_ext
@@ -221,9 +224,9 @@ def _check_same_gradients(model: Model, inputs) -> None:
             raise AssertionError(f"{variant} computed different gradients from stock")
 
 
-def _run_rank(config: Config) -> dict:
-    """One rank's part, started by torchrun (the process group from its environment): its own times per
-    variant; the launcher takes the slowest rank's."""
+def _run_rank(config: Config) -> list[dict]:
+    """One rank's part, started by torchrun (the process group from its environment): every rank's times per
+    variant, in rank order (the step takes as long as the slowest rank: ``slowest_rank``)."""
     torch.set_num_threads(1)  # two ranks may share two cores
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
@@ -254,12 +257,15 @@ def _run_rank(config: Config) -> dict:
                 _write_timelines(timelines, config.timeline_png, dense_layers, dim)
             except Exception as error:  # noqa: BLE001 - the picture is optional, the timings are not
                 progress(f"overlap: warning: could not write the timeline {config.timeline_png}: {error!r}")
-        return {
+        result = {
             "times": times,
             "dense_layers": dense_layers,
             "dim": dim,
             "calibration": {"comm_s": t_comm, "dense_layer_s": t_layer},
         }
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        return gathered
     finally:
         dist.destroy_process_group()
 
@@ -480,14 +486,15 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def _rank_main(args: argparse.Namespace) -> None:
-    write_rank_result(args.rank_results, _run_rank(_config(args)))
-    # Done, and the result handed over: leave without the interpreter's and C++'s exit-time teardown. In a CI
-    # run a rank died there ("terminate called without an active exception": some library's thread still
-    # joinable at exit) after all its work was done, failing the benchmark. An exception above still exits
-    # with its traceback and status 1.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    """A rank, started by torchrun: by run_on_two_hosts (``--rank-results``), or by a user on two machines,
+    where rank 0 reports."""
+    results = _run_rank(_config(args))
+    if args.rank_results is not None:
+        write_rank_result(args.rank_results, results[int(os.environ["RANK"])])
+    elif os.environ["RANK"] == "0":
+        report(slowest_rank(results), f"torchrun with {os.environ['WORLD_SIZE']} ranks", args.out)
+    # An exception above still exits with its traceback and status 1.
+    leave_rank()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps is not None and args.reps < 2:
         parser.error("--reps must be at least 2 (percentiles need two samples)")
-    if args.rank_results is not None:
+    # Started by torchrun (it sets TORCHELASTIC_RUN_ID): one of the ranks.
+    if args.rank_results is not None or "TORCHELASTIC_RUN_ID" in os.environ:
         _rank_main(args)
     # SIGTERM (bench stopped, a CI job cancelled) cleans up as Ctrl-C does: the launcher stops the hosts and
     # deletes their namespaces.

@@ -300,7 +300,7 @@ RANK_SCRIPT = """
 import argparse, os, socket, sys
 sys.path.insert(0, {benchmarks!r})
 import torch, torch.distributed as dist
-from _hosts import write_rank_result
+from _hosts import leave_rank, write_rank_result
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail-rank", type=int)
 parser.add_argument("--rank-results")
@@ -311,6 +311,8 @@ if dist.get_rank() == args.fail_rank:
 value = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(value)
 write_rank_result(args.rank_results, {{"rank": dist.get_rank(), "sum": value.item(), "host": socket.gethostname()}})
+dist.destroy_process_group()
+leave_rank()
 """
 
 
@@ -412,6 +414,24 @@ def test_sigterm_to_overlap_stops_both_hosts_and_deletes_the_namespaces(tmp_path
     assert process.returncode != 0
     assert not any(_alive(pid) for pid in started)
     assert not _our_namespaces()
+
+
+@pytest.mark.distributed
+def test_overlap_started_by_torchrun_reports_on_rank_0(tmp_path):
+    # As on two real machines (README "Across machines"), here as one torchrun with 2 ranks.
+    out = tmp_path / "overlap.csv"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--reps", "2", "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("backward ms: median") == 1
+    rows = {(row["what"], row["metric"]): row for row in csv.DictReader(out.read_text().splitlines())}
+    assert rows[("torch_ext", "efficiency")]["size"].endswith(", torchrun with 2 ranks")
 
 
 def _alive(pid: int) -> bool:
