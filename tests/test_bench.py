@@ -1,5 +1,6 @@
 """`python -m torch_ext bench`: the command end to end on one benchmark, the summary of each
-benchmark's CSV, failures, and the stock timeline of benchmarks/overlap.py."""
+benchmark's CSV, failures, the stock timeline of benchmarks/overlap.py, and the two-host launcher
+(benchmarks/_hosts.py): results, fallback, a failed rank, stopping."""
 
 import argparse
 import csv
@@ -399,18 +400,15 @@ def test_sigterm_to_overlap_stops_both_hosts_and_deletes_the_namespaces(tmp_path
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    try:
-        # Until both ranks run (two torchruns and their workers).
-        deadline = time.monotonic() + 120
-        while len(_descendants(process.pid)) < 4 or not _our_namespaces():
-            assert time.monotonic() < deadline and process.poll() is None
-            time.sleep(0.2)
-        started = _descendants(process.pid)
-        process.terminate()
-        process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    started = set()
+
+    def both_ranks_run() -> bool:
+        # Two torchruns and their workers: the processes given the script's --rank-results.
+        ranks = {pid for pid in _descendants(process.pid) if b"--rank-results" in _cmdline(pid)}
+        started.update(ranks)
+        return len(ranks) >= 4
+
+    _terminate_when(process, both_ranks_run, timeout_s=120)
     assert process.returncode != 0
     assert not any(_alive(pid) for pid in started)
     assert not _our_namespaces()
@@ -432,6 +430,27 @@ def test_overlap_started_by_torchrun_reports_on_rank_0(tmp_path):
     assert result.stdout.count("backward ms: median") == 1
     rows = {(row["what"], row["metric"]): row for row in csv.DictReader(out.read_text().splitlines())}
     assert rows[("torch_ext", "efficiency")]["size"].endswith(", torchrun with 2 ranks")
+
+
+def _terminate_when(process: subprocess.Popen, ready, timeout_s: float) -> None:
+    """SIGTERM to ``process`` once ``ready()`` (it must not exit before), and waits for it to end."""
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.1)
+        process.terminate()
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
 
 
 def _alive(pid: int) -> bool:
@@ -458,16 +477,7 @@ def test_sigterm_to_bench_stops_the_benchmark_and_its_children(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen([sys.executable, "-c", driver], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while not (pids.is_file() and len(pids.read_text().split()) == 2):
-            assert time.monotonic() < deadline and process.poll() is None
-            time.sleep(0.1)
-        process.terminate()
-        process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    _terminate_when(process, lambda: pids.is_file() and len(pids.read_text().split()) == 2, timeout_s=60)
     assert process.returncode != 0
     for pid in map(int, pids.read_text().split()):
         deadline = time.monotonic() + 10
