@@ -21,7 +21,7 @@ compute for the same cores and nothing can overlap. ``Network.label`` says which
 
 Stopping: as soon as one host exits with an error, the other is stopped (SIGTERM, which torchrun passes to its
 worker; SIGKILL after STOP_GRACE_S) and the error raised; on any exception (Ctrl-C, a SIGTERM turned into
-KeyboardInterrupt by the caller, a timeout) the same; every process left in the namespaces (``ip netns pids``)
+KeyboardInterrupt here, a timeout) the same; every process left in the namespaces (``ip netns pids``)
 is killed, and the namespaces and their ``/etc/netns`` folders deleted, in a ``finally``.
 """
 
@@ -110,9 +110,32 @@ def run_on_two_hosts(
     ``mode`` is the network wanted (MODES, in order of preference); what cannot be made falls back to the
     next, said on stderr. Raises RuntimeError when a host fails (within about a second of its exit, the other
     stopped) or when a rank exits without a result, TimeoutError after ``timeout_s``.
+
+    While it runs (from the main thread), SIGTERM (bench stopped, a CI job cancelled) raises KeyboardInterrupt
+    as Ctrl-C does, and so does SIGINT even where the caller was started with it ignored (a shell's background
+    job; bench stops a benchmark with SIGINT): either way the hosts are stopped and the namespaces deleted.
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: choose from {', '.join(MODES)}")
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if in_main_thread:
+        previous = {
+            signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_keyboard_interrupt),
+            signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        }
+    try:
+        return _run_on_two_hosts(script, args, mode, timeout_s)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _run_on_two_hosts(script: str, args: Sequence[str], mode: str, timeout_s: float | None) -> HostsRun:
     with tempfile.TemporaryDirectory(prefix="torch_ext_ranks_") as results:
         command = [os.path.abspath(script), *args, RANK_RESULTS_OPTION, results]
         with _network(mode) as (network, hosts):

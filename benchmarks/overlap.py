@@ -61,7 +61,6 @@ import datetime
 import importlib.util
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -463,10 +462,6 @@ def report(result: dict, link: str, out: str) -> list[tuple[str, Summary, float,
     return table
 
 
-def _raise_keyboard_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def _config(args: argparse.Namespace) -> Config:
     timeline_png = None
     if args.timeline is not None:
@@ -517,12 +512,6 @@ def main(argv: list[str] | None = None) -> int:
     # Started by torchrun (it sets TORCHELASTIC_RUN_ID): one of the ranks.
     if args.rank_results is not None or "TORCHELASTIC_RUN_ID" in os.environ:
         _rank_main(args)
-    # SIGTERM (bench stopped, a CI job cancelled) cleans up as Ctrl-C does: the launcher stops the hosts and
-    # deletes their namespaces.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    # And SIGINT (which bench sends to stop it) even if it was started with SIGINT ignored, as a shell starts
-    # background jobs: Python then leaves it ignored, and the namespaces would never be deleted.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     config = _config(args)
     progress(
