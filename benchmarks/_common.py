@@ -1,4 +1,5 @@
-"""Timing, statistics and CSV helpers shared by the benchmarks in this directory.
+"""Timing, statistics and CSV helpers shared by the benchmarks in this directory, and what each benchmark's
+``summary_rows`` and ``plot`` (for ``python -m torch_ext bench``) build on: ``SummaryRow``, ``read_csv``, ``bar_chart``.
 
 Benchmarks are scripts (``python benchmarks/<name>.py``); Python puts this directory on sys.path
 for them, which is how they import this module.
@@ -14,7 +15,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -69,7 +71,8 @@ def summarize(samples: Sequence[float]) -> Summary:
 
 
 def git_sha() -> str:
-    """Short sha of the checkout this file lives in, or "unknown" (no git, not a checkout).
+    """Short sha of the checkout this file lives in, or "nogit" (no git, not a checkout: installed from a wheel);
+    the CSVs' git_sha column and the name of bench's results folder.
 
     The checkout's top level is this directory's parent (``benchmarks/`` in the checkout); installed as
     ``torch_ext/benchmarks`` in site-packages, any repository around it is not torch_ext's.
@@ -81,10 +84,10 @@ def git_sha() -> str:
 
     try:
         if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.dirname(directory):
-            return "unknown"
-        return git("rev-parse", "--short", "HEAD") or "unknown"
+            return "nogit"
+        return git("rev-parse", "--short", "HEAD") or "nogit"
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return "nogit"
 
 
 def csv_row(what: str, case: str, size: str, metric: str, summary: Summary, sha: str) -> dict[str, object]:
@@ -117,3 +120,50 @@ def print_columns(lines: Sequence[Sequence[str]]) -> None:
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     for line in lines:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+
+
+# --- bench's summary table and plots (torch_ext/bench.py), from each benchmark's CSV ----------------------
+
+
+@dataclass
+class SummaryRow:
+    """One line of the summary table; ``values`` are its numbers for summary.csv and the plots."""
+
+    benchmark: str
+    case: str
+    variant: str
+    baseline: str
+    measured: str
+    ratio: str
+    notes: str = ""
+    values: dict[str, float] = field(default_factory=dict)
+
+
+def read_csv(path: Path) -> dict[tuple[str, str, str], dict[str, object]]:
+    """A benchmark's long-format CSV, keyed by (what, case, metric); median, p20, p80 as floats."""
+    with open(path, newline="") as f:
+        rows = {}
+        for row in csv.DictReader(f):
+            for column in ("median", "p20", "p80"):
+                row[column] = float(row[column])
+            rows[(row["what"], row["case"], row["metric"])] = row
+        return rows
+
+
+def csv_cases(rows: dict, metric: str | None = None) -> list[str]:
+    """Cases in the order the CSV has them."""
+    return list(dict.fromkeys(case for _, case, row_metric in rows if metric is None or row_metric == metric))
+
+
+def bar_chart(ax, labels: Sequence[str], series: dict[str, Sequence[float]], ylabel: str, line: float | None) -> None:
+    width = 0.8 / len(series)
+    for i, (name, heights) in enumerate(series.items()):
+        positions = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
+        bars = ax.bar(positions, heights, width, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    if line is not None:
+        ax.axhline(line, color="black", linewidth=0.8, linestyle="--")
+    if len(series) > 1:
+        ax.legend(fontsize=8)

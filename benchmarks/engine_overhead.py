@@ -56,11 +56,23 @@ import dataclasses
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from _common import Summary, csv_row, git_sha, print_columns, progress, summarize, timed_call, write_csv
+from _common import (
+    Summary,
+    SummaryRow,
+    bar_chart,
+    csv_cases,
+    csv_row,
+    git_sha,
+    print_columns,
+    progress,
+    summarize,
+    timed_call,
+    write_csv,
+)
 from torch.autograd.graph import get_gradient_edge
 
 import torch_ext
@@ -391,6 +403,45 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.out, rows)
     print(f"wrote {args.out} ({time.perf_counter() - started:.1f} s)")
     return 0
+
+
+# --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
+
+
+def summary_rows(rows: dict) -> list[SummaryRow]:
+    summary = []
+    for case in csv_cases(rows, "us_per_node"):
+        stock = rows[("stock", case, "us_per_node")]["median"]
+        ext = rows[("torch_ext", case, "us_per_node")]["median"]
+        paired = rows[("torch_ext/stock", case, "ratio")]
+        nodes = int(rows[("graph", case, "nodes")]["median"])
+        summary.append(
+            SummaryRow(
+                "engine_overhead",
+                case,
+                "torch_ext",
+                f"stock {stock:.3g} us/node",
+                f"{ext:.3g} us/node",
+                f"{ext / stock:.2f}",
+                f"{nodes} nodes; paired ratio p20-p80 {paired['p20']:.2f}-{paired['p80']:.2f}",
+                {
+                    "stock_us_per_node": stock,
+                    "torch_ext_us_per_node": ext,
+                    "ratio": ext / stock,
+                    "paired_ratio_p20": paired["p20"],
+                    "paired_ratio_p80": paired["p80"],
+                },
+            )
+        )
+    return summary
+
+
+def plot(rows: Sequence[SummaryRow], figure) -> None:
+    ax = figure.subplots()
+    bar_chart(
+        ax, [r.case for r in rows], {"torch_ext/stock": [r.values["ratio"] for r in rows]}, "time per node / stock", 1.0
+    )
+    ax.set_title("Engine overhead: backward time per node, torch_ext / stock")
 
 
 if __name__ == "__main__":

@@ -37,11 +37,22 @@ import argparse
 import functools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from _common import Summary, csv_row, git_sha, print_columns, progress, summarize, write_csv
+from _common import (
+    Summary,
+    SummaryRow,
+    bar_chart,
+    csv_cases,
+    csv_row,
+    git_sha,
+    print_columns,
+    progress,
+    summarize,
+    write_csv,
+)
 
 FP32, BF16 = torch.float32, torch.bfloat16
 WALL_CALLS = 50  # back-to-back calls per wall-time sample
@@ -373,6 +384,44 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.out, rows)
     print(f"wrote {args.out} ({time.perf_counter() - started:.1f} s)")
     return 0
+
+
+# --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
+
+
+# kernels.py's variants that do what stock PyTorch code does (the others: torch_ext and its foreach reference).
+KERNEL_BASELINES = ("per_tensor", "cat", "chain")
+
+
+def summary_rows(rows: dict) -> list[SummaryRow]:
+    summary = []
+    for case in csv_cases(rows, "device_us"):
+        ext = rows[("torch_ext", case, "device_us")]["median"]
+        for baseline in KERNEL_BASELINES:
+            stock = rows.get((baseline, case, "device_us"))
+            if stock is None:
+                continue
+            list_name = rows[("torch_ext", case, "device_us")]["size"]
+            summary.append(
+                SummaryRow(
+                    "kernels",
+                    f"{case} {list_name}",
+                    "torch_ext",
+                    f"{baseline} {stock['median']:.3g} us",
+                    f"{ext:.3g} us",
+                    f"{ext / stock['median']:.2f}",
+                    "device time",
+                    {"torch_ext_device_us": ext, "baseline_device_us": stock["median"], "ratio": ext / stock["median"]},
+                )
+            )
+    return summary
+
+
+def plot(rows: Sequence[SummaryRow], figure) -> None:
+    ax = figure.subplots()
+    labels = [f"{r.case} vs {r.baseline.split()[0]}" for r in rows]
+    bar_chart(ax, labels, {"torch_ext/baseline": [r.values["ratio"] for r in rows]}, "device time / baseline", 1.0)
+    ax.set_title("Multi-tensor kernels: device time, torch_ext / stock's way")
 
 
 if __name__ == "__main__":

@@ -36,16 +36,22 @@ larger depth).
 
 On this machine's loopback, gloo's transfer is kernel memcpy on the same two cores the ranks compute
 on, so nothing can overlap (DESIGN.md, "Measuring overlap on this machine"). A real NIC moves bytes
-without the CPU; to model one the script runs the ranks in a private network namespace whose
-loopback is rate-limited to LINK_RATE with HTB (needs root and iproute2). When the namespace cannot
-be made it says so and falls back to plain loopback, where no engine can show overlap.
+without the CPU; to model one, the ranks run as two hosts (``_hosts.run_on_two_hosts``): two network
+namespaces joined by a veth pair shaped to 1 Gbit/s with HTB, each rank started by ``torchrun
+--nnodes 2 --rdzv-backend c10d`` in its own, as on two machines (needs root, iproute2 and util-linux).
+What cannot be made falls back, said in the log and in the CSV's size column: to one namespace with a
+shaped loopback, then to plain loopback, where no engine can show overlap.
+
+Started by torchrun itself (on two real machines, README "Across machines"), the script is one rank:
+rank 0 prints the table and writes the CSV.
 
 With ``--timeline PNG``, after timing, both ranks run one more backward of stock and one of torch_ext
 under a tracer (stock: ``torch.profiler``, converted by ``stock_backward_events``; torch_ext:
 ``torch_ext.trace()``), and rank 0 draws rank 0's two timelines one above the other with
 ``torch_ext.tracing.plot_timelines`` and writes their events beside the PNG (same name, ``.json``).
 
-    python benchmarks/overlap.py [--quick] [--reps N] [--payload-mib M] [--no-netns] [--timeline PNG] [--out CSV]
+    python benchmarks/overlap.py [--quick] [--reps N] [--payload-mib M]
+        [--network two-hosts|one-namespace|loopback] [--timeline PNG] [--out CSV]
 """
 
 from __future__ import annotations
@@ -55,33 +61,24 @@ import datetime
 import importlib.util
 import json
 import os
-import queue as queue_module
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _common import Summary, csv_row, git_sha, progress, summarize, write_csv
+from _common import Summary, SummaryRow, bar_chart, csv_row, git_sha, progress, summarize, write_csv
+from _hosts import MODES, RANK_RESULTS_OPTION, leave_rank, run_on_two_hosts, write_rank_result
 from torch import nn
 
 import torch_ext
 import torch_ext.ops
 
 WORLD_SIZE = 2
-# The modelled NIC. At 1 Gbit/s a few MiB take tens of milliseconds, comparable to a few dense
-# layers' backward on one core here, and the HTB shaper (not memcpy) sets the transfer time.
-LINK_RATE = "1gbit"
-NETNS_PREFIX = "torch_ext_overlap"
-# How often run_ranks checks whether a rank has died while waiting for the result.
-RESULT_POLL_S = 5.0
 
 BATCH = 256
 FEATURES = 16  # embedding lookups per sample
@@ -226,12 +223,13 @@ def _check_same_gradients(model: Model, inputs) -> None:
             raise AssertionError(f"{variant} computed different gradients from stock")
 
 
-def _run_rank(rank: int, port: int, config: Config, queue) -> None:
-    torch.set_num_threads(1)  # two ranks share two cores
+def _run_rank(config: Config) -> list[dict]:
+    """One rank's part, started by torchrun (the process group from its environment): every rank's times per
+    variant, in rank order (the step takes as long as the slowest rank: ``slowest_rank``)."""
+    torch.set_num_threads(1)  # two ranks may share two cores
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
     torch.manual_seed(rank)
-    timeout = datetime.timedelta(seconds=300)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timeout)
     try:
         dim = config.embedding_dim
         t_comm = _agreed_max(statistics.median(_comm_only(dim) for _ in range(config.calibration_reps)))
@@ -251,31 +249,34 @@ def _run_rank(rank: int, port: int, config: Config, queue) -> None:
                 if rep >= config.warmup:
                     times[variant].append(elapsed)
         timelines = _traced_timelines(model, inputs) if config.timeline_png is not None else None
-        # The step takes as long as its slowest rank.
-        gathered: list = [None] * WORLD_SIZE
-        dist.all_gather_object(gathered, times)
-        if rank == 0:
-            # After the last collective, and never fatal: a failure here must not leave the other rank
-            # waiting in a collective, nor lose the timings.
-            if timelines is not None:
-                try:
-                    _write_timelines(timelines, config.timeline_png, dense_layers, dim)
-                except Exception as error:  # noqa: BLE001 - the picture is optional
-                    progress(f"overlap: warning: could not write the timeline {config.timeline_png}: {error!r}")
-            slowest = {
-                variant: [max(rank_times[variant][i] for rank_times in gathered) for i in range(config.reps)]
-                for variant in VARIANTS
-            }
-            queue.put(
-                {
-                    "times": slowest,
-                    "dense_layers": dense_layers,
-                    "dim": dim,
-                    "calibration": {"comm_s": t_comm, "dense_layer_s": t_layer},
-                }
-            )
+        # Both ranks are past their last collective: a failure here must not leave the other waiting in one.
+        dist.barrier()
+        if rank == 0 and timelines is not None:
+            try:
+                _write_timelines(timelines, config.timeline_png, dense_layers, dim)
+            except Exception as error:  # noqa: BLE001 - the picture is optional, the timings are not
+                progress(f"overlap: warning: could not write the timeline {config.timeline_png}: {error!r}")
+        result = {
+            "times": times,
+            "dense_layers": dense_layers,
+            "dim": dim,
+            "calibration": {"comm_s": t_comm, "dense_layer_s": t_layer},
+        }
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        return gathered
     finally:
         dist.destroy_process_group()
+
+
+def slowest_rank(results: list[dict]) -> dict:
+    """The ranks' results as one: each repetition's step takes as long as its slowest rank."""
+    first = results[0]
+    reps = len(first["times"][VARIANTS[0]])
+    times = {
+        variant: [max(result["times"][variant][i] for result in results) for i in range(reps)] for variant in VARIANTS
+    }
+    return {**first, "times": times}
 
 
 # --- timelines ----------------------------------------------------------------------------------
@@ -429,126 +430,6 @@ def _write_timelines(rows: list[tuple[str, list[dict]]], png_path: str, dense_la
     print(f"wrote {png_path} and {json_path}")
 
 
-def _rank_process(rank: int, port: int, config: Config, queue) -> None:
-    _run_rank(rank, port, config, queue)
-    # Done, and rank 0's result handed over: leave without the interpreter's and C++'s exit-time
-    # teardown. In a CI run a rank died there ("terminate called without an active exception": some
-    # library's thread still joinable at exit) after all its work was done, failing the benchmark.
-    # An exception above still exits through multiprocessing, with its traceback and exit code 1.
-    queue.close()
-    queue.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def run_ranks(config: Config) -> dict:
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ranks = [
-        context.Process(target=_rank_process, args=(rank, store.port, config, queue), daemon=True)
-        for rank in range(WORLD_SIZE)
-    ]
-    for process in ranks:
-        process.start()
-    try:
-        result = _wait_for_result(queue, ranks)
-        for process in ranks:
-            process.join(timeout=60)
-    finally:
-        # On an error (a rank failed, Ctrl-C): the others may be blocked in a collective with it.
-        for process in ranks:
-            if process.is_alive():
-                process.terminate()
-        for process in ranks:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    failed = [rank for rank, process in enumerate(ranks) if process.exitcode != 0]
-    if failed:
-        raise RuntimeError(f"ranks {failed} failed (exit codes {[ranks[rank].exitcode for rank in failed]})")
-    return result
-
-
-def _wait_for_result(queue, ranks) -> dict:
-    """Rank 0's result; raises as soon as a rank has exited with an error (or all have, without one)."""
-    while True:
-        try:
-            return queue.get(timeout=RESULT_POLL_S)
-        except queue_module.Empty:
-            pass
-        failed = [rank for rank, process in enumerate(ranks) if process.exitcode not in (None, 0)]
-        if failed:
-            codes = [ranks[rank].exitcode for rank in failed]
-            raise RuntimeError(f"ranks {failed} failed (exit codes {codes}); their errors are above")
-        if all(process.exitcode is not None for process in ranks):
-            try:
-                return queue.get(timeout=RESULT_POLL_S)
-            except queue_module.Empty:
-                raise RuntimeError("every rank exited without a result") from None
-
-
-# --- the rate-limited network namespace --------------------------------------------------------
-
-
-def _ip(*args: str, netns: str | None = None) -> None:
-    command = ["ip", "netns", "exec", netns, *args] if netns else list(args)
-    subprocess.run(command, check=True, capture_output=True, text=True)
-
-
-def make_rate_limited_netns() -> tuple[str | None, str]:
-    """A fresh network namespace whose loopback is shaped to LINK_RATE; (name, "") or (None, why not)."""
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return None, "iproute2 (ip, tc) is not installed"
-    if os.geteuid() != 0:
-        return None, "making a network namespace needs root"
-    name = f"{NETNS_PREFIX}_{os.getpid()}"
-    try:
-        _ip("ip", "netns", "add", name)
-    except subprocess.CalledProcessError as error:
-        return None, f"ip netns add failed: {error.stderr.strip()}"
-    try:
-        _ip("ip", "link", "set", "lo", "up", netns=name)
-        _ip("tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10", netns=name)
-        _ip(
-            "tc", "class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb",
-            "rate", LINK_RATE, "ceil", LINK_RATE, netns=name,
-        )  # fmt: skip
-    except subprocess.CalledProcessError as error:
-        delete_netns(name)
-        return None, f"shaping the namespace's loopback failed: {error.stderr.strip()}"
-    return name, ""
-
-
-def run_forwarding_signals(command: list[str]) -> int:
-    """Runs ``command`` to its end, passing SIGINT and SIGTERM on to it, and returns its exit status.
-
-    So that a SIGTERM (or a SIGINT sent to this process alone) stops the benchmark run inside the
-    namespace the way Ctrl-C does, and this process still gets to delete the namespace afterwards.
-    """
-    child = subprocess.Popen(command)
-
-    def forward(signum, frame) -> None:
-        if child.poll() is None:
-            child.send_signal(signum)
-
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return child.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-
-
-def delete_netns(name: str) -> None:
-    subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
-
-
 # --- report -------------------------------------------------------------------------------------
 
 
@@ -581,44 +462,7 @@ def report(result: dict, link: str, out: str) -> list[tuple[str, Summary, float,
     return table
 
 
-def _raise_keyboard_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller payload, fewer repetitions (~1 min)")
-    parser.add_argument("--reps", type=int, help="timed repetitions of every variant")
-    parser.add_argument("--payload-mib", type=float, help="MiB each rank sends the other (default 4; quick 2)")
-    parser.add_argument("--no-netns", action="store_true", help="plain loopback, no rate-limited namespace")
-    parser.add_argument("--out", default="results/overlap.csv", help="long-format CSV to write")
-    parser.add_argument("--timeline", metavar="PNG", help="draw one traced backward of stock and of torch_ext")
-    parser.add_argument("--inside-netns", help=argparse.SUPPRESS)  # set when re-run inside the namespace
-    args = parser.parse_args(argv)
-    if args.reps is not None and args.reps < 2:
-        parser.error("--reps must be at least 2 (percentiles need two samples)")
-    # SIGTERM (bench stopped, a CI job cancelled) cleans up as Ctrl-C does: run_ranks stops the ranks,
-    # and the namespace is deleted.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    # And SIGINT (which bench sends to stop it) even if it was started with SIGINT ignored, as a shell
-    # starts background jobs: Python then leaves it ignored, and the namespace would never be deleted.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    if args.inside_netns is None and not args.no_netns:
-        netns, why_not = make_rate_limited_netns()
-        if netns is not None:
-            forwarded = sys.argv[1:] if argv is None else argv
-            try:
-                command = [sys.executable, os.path.abspath(__file__), *forwarded, "--inside-netns", LINK_RATE]
-                return run_forwarding_signals(["ip", "netns", "exec", netns, *command])
-            finally:
-                delete_netns(netns)
-        progress(
-            f"overlap: no rate-limited network namespace ({why_not}); falling back to plain loopback, where "
-            "gloo's copies compete with compute for the same cores and no engine can show overlap"
-        )
-    link = f"loopback shaped to {args.inside_netns}" if args.inside_netns else "plain loopback"
-
+def _config(args: argparse.Namespace) -> Config:
     timeline_png = None
     if args.timeline is not None:
         if not hasattr(torch_ext, "trace"):
@@ -627,19 +471,103 @@ def main(argv: list[str] | None = None) -> int:
             progress("overlap: --timeline skipped: matplotlib is not installed (pip install 'torch_ext[bench]')")
         else:
             timeline_png = os.path.abspath(args.timeline)
-    config = Config(
+    return Config(
         payload_mib=args.payload_mib or (2.0 if args.quick else 4.0),
         reps=args.reps or (8 if args.quick else 30),
         warmup=1 if args.quick else 3,
         calibration_reps=3 if args.quick else 7,
         timeline_png=timeline_png,
     )
-    progress(
-        f"overlap: torch {torch.__version__}, {WORLD_SIZE} gloo ranks on {link}, {config.payload_mib:g} MiB "
-        f"each way, {config.reps} repetitions of {len(VARIANTS)} variants"
+
+
+def _rank_main(args: argparse.Namespace) -> None:
+    """A rank, started by torchrun: by run_on_two_hosts (``--rank-results``), or by a user on two machines,
+    where rank 0 reports."""
+    results = _run_rank(_config(args))
+    if args.rank_results is not None:
+        write_rank_result(args.rank_results, results[int(os.environ["RANK"])])
+    elif os.environ["RANK"] == "0":
+        report(slowest_rank(results), f"torchrun with {os.environ['WORLD_SIZE']} ranks", args.out)
+    # An exception above still exits with its traceback and status 1.
+    leave_rank()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller payload, fewer repetitions (~1 min)")
+    parser.add_argument("--reps", type=int, help="timed repetitions of every variant")
+    parser.add_argument("--payload-mib", type=float, help="MiB each rank sends the other (default 4; quick 2)")
+    parser.add_argument(
+        "--network",
+        choices=MODES,
+        default=MODES[0],
+        help="where the 2 ranks run (default two-hosts; what cannot be made falls back to the next)",
     )
-    report(run_ranks(config), link, args.out)
+    parser.add_argument("--out", default="results/overlap.csv", help="long-format CSV to write")
+    parser.add_argument("--timeline", metavar="PNG", help="draw one traced backward of stock and of torch_ext")
+    parser.add_argument(RANK_RESULTS_OPTION, help=argparse.SUPPRESS)  # set by the launcher on each rank
+    args = parser.parse_args(argv)
+    if args.reps is not None and args.reps < 2:
+        parser.error("--reps must be at least 2 (percentiles need two samples)")
+    # Started by torchrun (it sets TORCHELASTIC_RUN_ID): one of the ranks.
+    if args.rank_results is not None or "TORCHELASTIC_RUN_ID" in os.environ:
+        _rank_main(args)
+
+    config = _config(args)
+    progress(
+        f"overlap: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {config.payload_mib:g} MiB each way, "
+        f"{config.reps} repetitions of {len(VARIANTS)} variants"
+    )
+    forwarded = sys.argv[1:] if argv is None else list(argv)
+    run = run_on_two_hosts(__file__, forwarded, mode=args.network)
+    report(slowest_rank(run.results), run.network.label, args.out)
     return 0
+
+
+# --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
+
+
+OVERLAP_NOTES = {"compute": "T_compute: the all_to_all replaced by a local copy", "comm": "T_comm: all_to_all alone"}
+
+
+def summary_rows(rows: dict) -> list[SummaryRow]:
+    summary = []
+    stock = rows[("stock", "overlap", "backward_ms")]
+    # "<dim>d x <rows> rows, <n> dense layers, <link>": the link (whether anything can overlap) names the case.
+    scenario, _, case = stock["size"].rpartition(", ")
+    for (variant, _, metric), row in rows.items():
+        if metric != "backward_ms":
+            continue
+        ms = row["median"]
+        values = {"backward_ms": ms}
+        efficiency = rows.get((variant, "overlap", "efficiency"))
+        if efficiency is not None:
+            values["efficiency"] = efficiency["median"]
+            values["ratio"] = ms / stock["median"]
+            ratio = f"{values['ratio']:.2f}"
+            notes = f"overlap efficiency {efficiency['median']:.2f}"
+            if variant == "stock":
+                notes += f"; {scenario}"
+        else:
+            ratio = "-"
+            notes = OVERLAP_NOTES.get(variant, "")
+        summary.append(
+            SummaryRow(
+                "overlap", case, variant, f"stock {stock['median']:.3g} ms", f"{ms:.3g} ms", ratio, notes, values
+            )
+        )
+    return summary
+
+
+def plot(rows: Sequence[SummaryRow], figure) -> None:
+    collective = [r for r in rows if "efficiency" in r.values]
+    left, right = figure.subplots(1, 2)
+    labels = [r.variant for r in collective]
+    bar_chart(left, labels, {"efficiency": [r.values["efficiency"] for r in collective]}, "overlap efficiency", 1.0)
+    left.set_title("overlap efficiency (1: all hidden)")
+    bar_chart(right, labels, {"step / stock": [r.values["ratio"] for r in collective]}, "backward time / stock", 1.0)
+    right.set_title("backward time / stock")
+    figure.suptitle(f"Overlap of a backward all_to_all on 2 gloo ranks, {rows[0].case}")
 
 
 if __name__ == "__main__":

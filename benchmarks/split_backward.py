@@ -45,11 +45,23 @@ import argparse
 import dataclasses
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from _common import Summary, csv_row, git_sha, print_columns, progress, summarize, timed_call, write_csv
+from _common import (
+    Summary,
+    SummaryRow,
+    bar_chart,
+    csv_cases,
+    csv_row,
+    git_sha,
+    print_columns,
+    progress,
+    summarize,
+    timed_call,
+    write_csv,
+)
 from torch import nn
 from torch.distributed.pipelining import _backward as pipelining_backward
 from torch.utils.checkpoint import checkpoint
@@ -352,6 +364,79 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.out, rows)
     print(f"wrote {args.out} ({time.perf_counter() - started:.1f} s)")
     return 0
+
+
+# --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
+
+
+SPLIT_VARIANTS = ("pipelining", "torch_ext")
+
+
+def _split_ratio(rows: dict, case: str, label: str, fallback: float) -> float:
+    """The median of split_backward.py's paired ratio ``label`` (per repetition, as it reports it); without
+    that row, ``fallback`` (a ratio of medians)."""
+    row = rows.get((label, case, "ratio"))
+    return fallback if row is None else row["median"]
+
+
+def summary_rows(rows: dict) -> list[SummaryRow]:
+    """dI/full and (dI+dW)/full are split_backward.py's paired ratios where it writes them ("torch_ext dI /
+    stock full", "<variant> dI+dW / stock full"), else ratios of the medians; dW/full is a ratio of medians."""
+    summary = []
+    for case in csv_cases(rows, "dI+dW_ms"):
+        full = rows[("stock_full", case, "dI+dW_ms")]["median"]
+        stock_peak = rows[("stock_full", case, "peak_full_mb")]["median"]
+        for variant in SPLIT_VARIANTS:
+            d_input = rows[(variant, case, "dI_ms")]["median"]
+            d_weight = rows[(variant, case, "dW_ms")]["median"]
+            peak = max(rows[(variant, case, f"peak_{p}_mb")]["median"] for p in ("dI", "dW"))
+            values = {
+                "dI/full": _split_ratio(rows, case, f"{variant} dI / stock full", d_input / full),
+                "dW/full": d_weight / full,
+                "(dI+dW)/full": _split_ratio(
+                    rows, case, f"{variant} dI+dW / stock full", rows[(variant, case, "dI+dW_ms")]["median"] / full
+                ),
+                "peak_mb": peak,
+                "stock_full_peak_mb": stock_peak,
+                "held_after_dI_mb": rows[(variant, case, "held_after_dI_mb")]["median"],
+            }
+            notes = f"peak {peak:.1f} MB (stock {stock_peak:.1f}), held after dI {values['held_after_dI_mb']:.1f} MB"
+            if variant == "torch_ext":
+                for pass_name in ("dI", "dW"):
+                    values[f"{pass_name}/pipelining"] = rows[
+                        (f"torch_ext {pass_name} / pipelining {pass_name}", case, "ratio")
+                    ]["median"]
+                notes += f"; vs pipelining: dI {values['dI/pipelining']:.2f}, dW {values['dW/pipelining']:.2f}"
+            summary.append(
+                SummaryRow(
+                    "split_backward",
+                    case,
+                    variant,
+                    f"stock full {full:.3g} ms",
+                    f"dI {d_input:.3g} + dW {d_weight:.3g} ms",
+                    f"dI {values['dI/full']:.2f}, dW {values['dW/full']:.2f}, dI+dW {values['(dI+dW)/full']:.2f}",
+                    notes,
+                    values,
+                )
+            )
+    return summary
+
+
+def plot(rows: Sequence[SummaryRow], figure) -> None:
+    cases = list(dict.fromkeys(r.case for r in rows))
+    axes = figure.subplots(1, len(cases), squeeze=False)[0]
+    metrics = ("dI/full", "dW/full", "(dI+dW)/full")
+    for ax, case in zip(axes, cases):
+        by_variant = {r.variant: r for r in rows if r.case == case}
+        bar_chart(
+            ax,
+            list(metrics),
+            {v: [by_variant[v].values[m] for m in metrics] for v in by_variant},
+            "/ stock full backward",
+            1.0,
+        )
+        ax.set_title(case, fontsize=9)
+    figure.suptitle("Split backward: passes' time / stock's full backward")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """`python -m torch_ext bench`: the command end to end on one benchmark, the summary of each
-benchmark's CSV, failures, and the stock timeline of benchmarks/overlap.py."""
+benchmark's CSV, failures, the stock timeline of benchmarks/overlap.py, and the two-host launcher
+(benchmarks/_hosts.py): results, fallback, a failed rank, stopping."""
 
 import argparse
 import csv
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -77,6 +79,10 @@ def test_benchmark_scripts_are_found():
     directory = bench.benchmarks_dir()
     for benchmark in bench.all_benchmarks().values():
         assert benchmark.script.is_file()
+        # Each script owns its summary rows and its plot.
+        module = bench.benchmark_module(benchmark.name)
+        assert callable(module.summary_rows) and callable(module.plot)
+        assert module.__file__ == str(benchmark.script)
     assert (directory / "_common.py").is_file()
 
 
@@ -260,7 +266,7 @@ def test_stock_backward_events_mark_the_collective_and_its_wait(monkeypatch, sin
 def test_overlap_timeline_of_stock_and_torch_ext(tmp_path):
     png = tmp_path / "timeline.png"
     result = subprocess.run(
-        [sys.executable, str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--reps", "2", "--no-netns"]
+        [sys.executable, str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--reps", "2", "--network", "loopback"]
         + ["--timeline", str(png), "--out", str(tmp_path / "overlap.csv")],
         check=False,
         capture_output=True,
@@ -289,17 +295,162 @@ def test_overlap_timeline_of_stock_and_torch_ext(tmp_path):
     assert ext_launch < ext_last_addmm
 
 
-@pytest.mark.distributed
-def test_run_ranks_reports_failed_ranks_promptly(monkeypatch):
-    monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
-    import overlap
+# A script run by _hosts.run_on_two_hosts: both ranks all_reduce and hand back what they saw; with --fail-rank R,
+# rank R fails after joining the process group while the other waits in the all_reduce.
+RANK_SCRIPT = """
+import argparse, os, socket, sys
+sys.path.insert(0, {benchmarks!r})
+import torch, torch.distributed as dist
+from _hosts import leave_rank, write_rank_result
+parser = argparse.ArgumentParser()
+parser.add_argument("--fail-rank", type=int)
+parser.add_argument("--rank-results")
+args = parser.parse_args()
+dist.init_process_group("gloo")
+if dist.get_rank() == args.fail_rank:
+    sys.exit("failing on purpose")
+value = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(value)
+write_rank_result(args.rank_results, {{"rank": dist.get_rank(), "sum": value.item(), "host": socket.gethostname()}})
+dist.destroy_process_group()
+leave_rank()
+"""
 
-    # No calibration samples: both ranks fail at once (statistics.median of nothing).
-    config = overlap.Config(payload_mib=0.1, reps=2, warmup=0, calibration_reps=0)
+
+@pytest.fixture
+def hosts(monkeypatch, tmp_path):
+    """benchmarks/_hosts.py, and a rank script for it."""
+    monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
+    import _hosts
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT.format(benchmarks=str(bench.benchmarks_dir())))
+    return _hosts, str(script)
+
+
+def _our_namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith("torch_ext_host")]
+
+
+def _can_make_namespaces() -> bool:
+    return os.geteuid() == 0 and all(shutil.which(tool) for tool in ("ip", "tc", "unshare", "hostname"))
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, iproute2 and util-linux")
+def test_two_hosts_run_torchrun_in_their_namespaces(hosts):
+    _hosts, script = hosts
+    run = _hosts.run_on_two_hosts(script, [], timeout_s=120)
+    assert run.network.mode == "two-hosts" and "veth" in run.network.label
+    assert run.results == [{"rank": 0, "sum": 3.0, "host": "host0"}, {"rank": 1, "sum": 3.0, "host": "host1"}]
+    assert not _our_namespaces()
+    assert not list(_hosts.NETNS_ETC.glob(f"{_hosts.NETNS_PREFIX}*"))
+
+
+@pytest.mark.distributed
+def test_hosts_fall_back_to_loopback_and_say_why(hosts, monkeypatch, capfd):
+    _hosts, script = hosts
+    monkeypatch.setattr(_hosts.os, "geteuid", lambda: 1000)
+    run = _hosts.run_on_two_hosts(script, [], timeout_s=120)
+    assert run.network.mode == "loopback"
+    assert run.network.label.startswith("plain loopback (fallback; no two-hosts: ")
+    assert "need root" in run.network.label and ", " not in run.network.label
+    assert [result["sum"] for result in run.results] == [3.0, 3.0]
+    assert "cannot run as two-hosts" in capfd.readouterr().err
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["two-hosts", "loopback"])
+def test_a_failed_rank_is_reported_promptly_and_nothing_is_left(hosts, mode):
+    _hosts, script = hosts
+    if mode == "two-hosts" and not _can_make_namespaces():
+        pytest.skip("needs root, iproute2 and util-linux")
+    before = _descendants(os.getpid())
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] failed|ranks \[[01]\] failed"):
-        overlap.run_ranks(config)
+    with pytest.raises(RuntimeError, match=r"host[01] failed \(exit status 1\)"):
+        _hosts.run_on_two_hosts(script, ["--fail-rank", "1"], mode=mode, timeout_s=120)
     assert time.monotonic() - start < 60
+    assert _descendants(os.getpid()) == before
+    assert not _our_namespaces()
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(entry))
+    found, pending = set(), [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            if _alive(child):
+                found.add(child)
+            pending.append(child)
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root, iproute2 and util-linux")
+def test_sigterm_to_overlap_stops_both_hosts_and_deletes_the_namespaces(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--out", str(tmp_path / "o.csv")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    started = set()
+
+    def both_ranks_run() -> bool:
+        # Two torchruns and their workers: the processes given the script's --rank-results.
+        ranks = {pid for pid in _descendants(process.pid) if b"--rank-results" in _cmdline(pid)}
+        started.update(ranks)
+        return len(ranks) >= 4
+
+    _terminate_when(process, both_ranks_run, timeout_s=120)
+    assert process.returncode != 0
+    assert not any(_alive(pid) for pid in started)
+    assert not _our_namespaces()
+
+
+@pytest.mark.distributed
+def test_overlap_started_by_torchrun_reports_on_rank_0(tmp_path):
+    # As on two real machines (README "Across machines"), here as one torchrun with 2 ranks.
+    out = tmp_path / "overlap.csv"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--reps", "2", "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("backward ms: median") == 1
+    rows = {(row["what"], row["metric"]): row for row in csv.DictReader(out.read_text().splitlines())}
+    assert rows[("torch_ext", "efficiency")]["size"].endswith(", torchrun with 2 ranks")
+
+
+def _terminate_when(process: subprocess.Popen, ready, timeout_s: float) -> None:
+    """SIGTERM to ``process`` once ``ready()`` (it must not exit before), and waits for it to end."""
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.1)
+        process.terminate()
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
 
 
 def _alive(pid: int) -> bool:
@@ -326,16 +477,7 @@ def test_sigterm_to_bench_stops_the_benchmark_and_its_children(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen([sys.executable, "-c", driver], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while not (pids.is_file() and len(pids.read_text().split()) == 2):
-            assert time.monotonic() < deadline and process.poll() is None
-            time.sleep(0.1)
-        process.terminate()
-        process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    _terminate_when(process, lambda: pids.is_file() and len(pids.read_text().split()) == 2, timeout_s=60)
     assert process.returncode != 0
     for pid in map(int, pids.read_text().split()):
         deadline = time.monotonic() + 10
@@ -374,13 +516,14 @@ def test_split_backward_summary_uses_the_paired_ratios(tmp_path, monkeypatch):
     assert "dI+dW 0.96" in rows["torch_ext"].ratio
     # The plot draws the same numbers.
     drawn = []
-    real_bar_chart = bench._bar_chart
+    split_backward = bench.benchmark_module("split_backward")
+    real_bar_chart = split_backward.bar_chart
 
     def recording_bar_chart(ax, labels, series, ylabel, line):
         drawn.append(series)
         real_bar_chart(ax, labels, series, ylabel, line)
 
-    monkeypatch.setattr(bench, "_bar_chart", recording_bar_chart)
+    monkeypatch.setattr(split_backward, "bar_chart", recording_bar_chart)
     bench.write_plots(tmp_path, list(rows.values()))
     assert drawn == [{"pipelining": [22 / 40, 22 / 40, 1.12], "torch_ext": [0.53, 18 / 40, 0.96]}]
 
@@ -429,9 +572,15 @@ def test_only_runs_each_benchmark_once(monkeypatch, tmp_path):
 def test_git_sha_ignores_a_repository_around_an_installed_package(monkeypatch, tmp_path):
     # A wheel installed into a virtualenv inside some other project's repository.
     package = tmp_path / "project" / ".venv" / "site-packages" / "torch_ext"
-    package.mkdir(parents=True)
+    (package / "benchmarks").mkdir(parents=True)
     git = ["git", "-C", str(tmp_path / "project"), "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run(["git", "init", "-q", str(tmp_path / "project")], check=True)
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "project"], check=True)
-    monkeypatch.setattr(bench, "__file__", str(package / "bench.py"))
-    assert bench._git_sha() == "nogit"
+    common = bench._common()
+    monkeypatch.setattr(common, "__file__", str(package / "benchmarks" / "_common.py"))
+    assert common.git_sha() == "nogit"
+    # The checkout's own sha otherwise: the CSVs and the results folder name use this one helper.
+    monkeypatch.undo()
+    sha = common.git_sha()
+    assert sha == "nogit" or all(c in "0123456789abcdef" for c in sha)
+    assert f"-{sha}-quick" in bench.default_folder(quick=True).name

@@ -2,10 +2,12 @@
 
 Each benchmark script (``benchmarks/<name>.py``, installed as ``torch_ext/benchmarks/``) runs as its own
 subprocess, so that the benchmarks do not share a process's warm caches, allocator state or threads,
-and so that overlap.py can re-run itself inside its rate-limited network namespace and spawn its gloo
-ranks. Each writes its long-format CSV and log into the results folder; afterwards the CSVs are read
-back and summarized in one table (printed, and written as ``summary.md`` and ``summary.csv``) and bar
-charts of the ratios to stock (PNG, matplotlib). Plots are made from the CSVs, outside the timed runs.
+and so that overlap.py can launch its two torchrun hosts (benchmarks/_hosts.py). Each writes its
+long-format CSV and log into the results folder. Afterwards this module is the table: each CSV is read
+back and turned into summary rows and a bar chart of the ratios to stock by the benchmark's own
+``summary_rows`` and ``plot`` (each script knows its CSV's layout), and the rows of all of them are
+printed and written as ``summary.md`` and ``summary.csv``. Plots are made from the CSVs, outside the
+timed runs.
 
 A benchmark that exits nonzero makes the whole command exit nonzero, after the others have run and the
 summary of what there is has been written. One that exits 0 without writing its CSV (kernels.py without
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import importlib.resources
+import importlib.util
 import itertools
 import os
 import signal
@@ -24,9 +28,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 # Every benchmark, in the order they run: cheapest first, so a broken install fails fast.
 BENCHMARK_NAMES = ("engine_overhead", "split_backward", "overlap", "kernels")
@@ -89,6 +94,40 @@ def benchmarks_dir() -> Path:
     # A namespace package (the scripts have no __init__.py), whose files() is a MultiplexedPath: a file in it
     # is a plain path.
     return Path(str(importlib.resources.files("torch_ext.benchmarks") / "_common.py")).parent
+
+
+def _on_path(directory: Path) -> None:
+    if str(directory) not in sys.path:
+        sys.path.insert(0, str(directory))
+
+
+def _common() -> ModuleType:
+    """benchmarks/_common.py: the helpers the scripts share (the summary row, the CSV reader, the git sha)."""
+    _on_path(benchmarks_dir())
+    return importlib.import_module("_common")
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module, for its ``summary_rows(csv_rows)`` and ``plot(rows, figure)``.
+
+    The scripts import their helpers (``_common``, ``_hosts``) as top-level modules from their own directory,
+    as Python does when it runs them, so that directory goes on sys.path. The script itself is loaded under
+    a name of its own, ``torch_ext_benchmark_<name>``, so that it neither shadows nor is shadowed by another
+    top-level module of the same name (a ``kernels`` package).
+    """
+    module_name = f"torch_ext_benchmark_{name}"
+    if module_name not in sys.modules:
+        directory = benchmarks_dir()
+        _on_path(directory)
+        spec = importlib.util.spec_from_file_location(module_name, directory / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    return sys.modules[module_name]
 
 
 def all_benchmarks() -> dict[str, Benchmark]:
@@ -308,209 +347,32 @@ def run_all(benchmarks: Sequence[Benchmark], folder: Path, quick: bool) -> int:
 # --- summary ----------------------------------------------------------------------------------------
 
 
-@dataclass
-class SummaryRow:
-    """One line of the summary table; ``values`` are its numbers for summary.csv and the plots."""
-
-    benchmark: str
-    case: str
-    variant: str
-    baseline: str
-    measured: str
-    ratio: str
-    notes: str = ""
-    values: dict[str, float] = field(default_factory=dict)
-
-
 TABLE_HEADER = ("benchmark", "case", "variant", "baseline", "measured", "measured/baseline", "notes")
 
 
-def read_csv(path: Path) -> dict[tuple[str, str, str], dict[str, object]]:
-    """A benchmark's long-format CSV, keyed by (what, case, metric); median, p20, p80 as floats."""
-    with open(path, newline="") as f:
-        rows = {}
-        for row in csv.DictReader(f):
-            for column in ("median", "p20", "p80"):
-                row[column] = float(row[column])
-            rows[(row["what"], row["case"], row["metric"])] = row
-        return rows
-
-
-def _cases(rows: dict, metric: str | None = None) -> list[str]:
-    """Cases in the order the CSV has them."""
-    return list(dict.fromkeys(case for _, case, row_metric in rows if metric is None or row_metric == metric))
-
-
-def engine_overhead_summary(rows: dict) -> list[SummaryRow]:
-    summary = []
-    for case in _cases(rows, "us_per_node"):
-        stock = rows[("stock", case, "us_per_node")]["median"]
-        ext = rows[("torch_ext", case, "us_per_node")]["median"]
-        paired = rows[("torch_ext/stock", case, "ratio")]
-        nodes = int(rows[("graph", case, "nodes")]["median"])
-        summary.append(
-            SummaryRow(
-                "engine_overhead",
-                case,
-                "torch_ext",
-                f"stock {stock:.3g} us/node",
-                f"{ext:.3g} us/node",
-                f"{ext / stock:.2f}",
-                f"{nodes} nodes; paired ratio p20-p80 {paired['p20']:.2f}-{paired['p80']:.2f}",
-                {
-                    "stock_us_per_node": stock,
-                    "torch_ext_us_per_node": ext,
-                    "ratio": ext / stock,
-                    "paired_ratio_p20": paired["p20"],
-                    "paired_ratio_p80": paired["p80"],
-                },
-            )
-        )
-    return summary
-
-
-OVERLAP_NOTES = {"compute": "T_compute: the all_to_all replaced by a local copy", "comm": "T_comm: all_to_all alone"}
-
-
-def overlap_summary(rows: dict) -> list[SummaryRow]:
-    summary = []
-    stock = rows[("stock", "overlap", "backward_ms")]
-    # "<dim>d x <rows> rows, <n> dense layers, <link>": the link (whether anything can overlap) names the case.
-    scenario, _, case = stock["size"].rpartition(", ")
-    for (variant, _, metric), row in rows.items():
-        if metric != "backward_ms":
-            continue
-        ms = row["median"]
-        values = {"backward_ms": ms}
-        efficiency = rows.get((variant, "overlap", "efficiency"))
-        if efficiency is not None:
-            values["efficiency"] = efficiency["median"]
-            values["ratio"] = ms / stock["median"]
-            ratio = f"{values['ratio']:.2f}"
-            notes = f"overlap efficiency {efficiency['median']:.2f}"
-            if variant == "stock":
-                notes += f"; {scenario}"
-        else:
-            ratio = "-"
-            notes = OVERLAP_NOTES.get(variant, "")
-        summary.append(
-            SummaryRow(
-                "overlap", case, variant, f"stock {stock['median']:.3g} ms", f"{ms:.3g} ms", ratio, notes, values
-            )
-        )
-    return summary
-
-
-SPLIT_VARIANTS = ("pipelining", "torch_ext")
-
-
-def _split_ratio(rows: dict, case: str, label: str, fallback: float) -> float:
-    """The median of split_backward.py's paired ratio ``label`` (per repetition, as it reports it); without
-    that row, ``fallback`` (a ratio of medians)."""
-    row = rows.get((label, case, "ratio"))
-    return fallback if row is None else row["median"]
-
-
-def split_backward_summary(rows: dict) -> list[SummaryRow]:
-    """dI/full and (dI+dW)/full are split_backward.py's paired ratios where it writes them ("torch_ext dI /
-    stock full", "<variant> dI+dW / stock full"), else ratios of the medians; dW/full is a ratio of medians."""
-    summary = []
-    for case in _cases(rows, "dI+dW_ms"):
-        full = rows[("stock_full", case, "dI+dW_ms")]["median"]
-        stock_peak = rows[("stock_full", case, "peak_full_mb")]["median"]
-        for variant in SPLIT_VARIANTS:
-            d_input = rows[(variant, case, "dI_ms")]["median"]
-            d_weight = rows[(variant, case, "dW_ms")]["median"]
-            peak = max(rows[(variant, case, f"peak_{p}_mb")]["median"] for p in ("dI", "dW"))
-            values = {
-                "dI/full": _split_ratio(rows, case, f"{variant} dI / stock full", d_input / full),
-                "dW/full": d_weight / full,
-                "(dI+dW)/full": _split_ratio(
-                    rows, case, f"{variant} dI+dW / stock full", rows[(variant, case, "dI+dW_ms")]["median"] / full
-                ),
-                "peak_mb": peak,
-                "stock_full_peak_mb": stock_peak,
-                "held_after_dI_mb": rows[(variant, case, "held_after_dI_mb")]["median"],
-            }
-            notes = f"peak {peak:.1f} MB (stock {stock_peak:.1f}), held after dI {values['held_after_dI_mb']:.1f} MB"
-            if variant == "torch_ext":
-                for pass_name in ("dI", "dW"):
-                    values[f"{pass_name}/pipelining"] = rows[
-                        (f"torch_ext {pass_name} / pipelining {pass_name}", case, "ratio")
-                    ]["median"]
-                notes += f"; vs pipelining: dI {values['dI/pipelining']:.2f}, dW {values['dW/pipelining']:.2f}"
-            summary.append(
-                SummaryRow(
-                    "split_backward",
-                    case,
-                    variant,
-                    f"stock full {full:.3g} ms",
-                    f"dI {d_input:.3g} + dW {d_weight:.3g} ms",
-                    f"dI {values['dI/full']:.2f}, dW {values['dW/full']:.2f}, dI+dW {values['(dI+dW)/full']:.2f}",
-                    notes,
-                    values,
-                )
-            )
-    return summary
-
-
-# kernels.py's variants that do what stock PyTorch code does (the others: torch_ext and its foreach reference).
-KERNEL_BASELINES = ("per_tensor", "cat", "chain")
-
-
-def kernels_summary(rows: dict) -> list[SummaryRow]:
-    summary = []
-    for case in _cases(rows, "device_us"):
-        ext = rows[("torch_ext", case, "device_us")]["median"]
-        for baseline in KERNEL_BASELINES:
-            stock = rows.get((baseline, case, "device_us"))
-            if stock is None:
-                continue
-            list_name = rows[("torch_ext", case, "device_us")]["size"]
-            summary.append(
-                SummaryRow(
-                    "kernels",
-                    f"{case} {list_name}",
-                    "torch_ext",
-                    f"{baseline} {stock['median']:.3g} us",
-                    f"{ext:.3g} us",
-                    f"{ext / stock['median']:.2f}",
-                    "device time",
-                    {"torch_ext_device_us": ext, "baseline_device_us": stock["median"], "ratio": ext / stock["median"]},
-                )
-            )
-    return summary
-
-
-SUMMARIZERS: dict[str, Callable[[dict], list[SummaryRow]]] = {
-    "engine_overhead": engine_overhead_summary,
-    "overlap": overlap_summary,
-    "split_backward": split_backward_summary,
-    "kernels": kernels_summary,
-}
-
-
-def summarize_folder(folder: Path, names: Sequence[str]) -> list[SummaryRow]:
+def summarize_folder(folder: Path, names: Sequence[str]) -> list:
+    """The summary rows (``SummaryRow`` of benchmarks/_common.py) of each benchmark's CSV in ``folder``, made by
+    the benchmark's own ``summary_rows``: each script knows its CSV's layout."""
     rows = []
     for name in names:
-        rows += SUMMARIZERS[name](read_csv(folder / f"{name}.csv"))
+        rows += benchmark_module(name).summary_rows(_common().read_csv(folder / f"{name}.csv"))
     return rows
 
 
-def format_table(rows: Sequence[SummaryRow]) -> str:
+def format_table(rows: Sequence) -> str:
     lines = [TABLE_HEADER] + [(r.benchmark, r.case, r.variant, r.baseline, r.measured, r.ratio, r.notes) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(TABLE_HEADER))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
 
 
-def format_markdown(rows: Sequence[SummaryRow]) -> str:
+def format_markdown(rows: Sequence) -> str:
     lines = [TABLE_HEADER] + [(r.benchmark, r.case, r.variant, r.baseline, r.measured, r.ratio, r.notes) for r in rows]
     markdown = ["| " + " | ".join(line) + " |" for line in lines]
     markdown.insert(1, "|" + " --- |" * len(TABLE_HEADER))
     return "\n".join(markdown)
 
 
-def write_summary(folder: Path, rows: Sequence[SummaryRow], outcomes: Sequence[Outcome], quick: bool) -> None:
+def write_summary(folder: Path, rows: Sequence, outcomes: Sequence[Outcome], quick: bool) -> None:
     with open(folder / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(("benchmark", "case", "variant", "metric", "value"))
@@ -521,7 +383,7 @@ def write_summary(folder: Path, rows: Sequence[SummaryRow], outcomes: Sequence[O
         f"- {o.name}: {o.status} in {o.seconds:.1f} s" + (f" ({o.reason})" if o.status != "ok" else "")
         for o in outcomes
     )
-    plots = "\n".join(f"![{name}]({name}.png)" for name in PLOTS if any(r.benchmark == name for r in rows))
+    plots = "\n".join(f"![{name}]({name}.png)" for name in dict.fromkeys(r.benchmark for r in rows))
     (folder / "summary.md").write_text(
         f"# torch_ext bench{' --quick' if quick else ''}\n\n"
         "Ratios below 1: torch_ext is faster. Medians; each benchmark's CSV and log are beside this file.\n\n"
@@ -532,73 +394,9 @@ def write_summary(folder: Path, rows: Sequence[SummaryRow], outcomes: Sequence[O
 # --- plots ------------------------------------------------------------------------------------------
 
 
-def _bar_chart(ax, labels: Sequence[str], series: dict[str, Sequence[float]], ylabel: str, line: float | None) -> None:
-    width = 0.8 / len(series)
-    for i, (name, heights) in enumerate(series.items()):
-        positions = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
-        bars = ax.bar(positions, heights, width, label=name)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel(ylabel)
-    if line is not None:
-        ax.axhline(line, color="black", linewidth=0.8, linestyle="--")
-    if len(series) > 1:
-        ax.legend(fontsize=8)
-
-
-def _plot_engine_overhead(rows: Sequence[SummaryRow], figure) -> None:
-    ax = figure.subplots()
-    _bar_chart(
-        ax, [r.case for r in rows], {"torch_ext/stock": [r.values["ratio"] for r in rows]}, "time per node / stock", 1.0
-    )
-    ax.set_title("Engine overhead: backward time per node, torch_ext / stock")
-
-
-def _plot_overlap(rows: Sequence[SummaryRow], figure) -> None:
-    collective = [r for r in rows if "efficiency" in r.values]
-    left, right = figure.subplots(1, 2)
-    labels = [r.variant for r in collective]
-    _bar_chart(left, labels, {"efficiency": [r.values["efficiency"] for r in collective]}, "overlap efficiency", 1.0)
-    left.set_title("overlap efficiency (1: all hidden)")
-    _bar_chart(right, labels, {"step / stock": [r.values["ratio"] for r in collective]}, "backward time / stock", 1.0)
-    right.set_title("backward time / stock")
-    figure.suptitle(f"Overlap of a backward all_to_all on 2 gloo ranks, {rows[0].case}")
-
-
-def _plot_split_backward(rows: Sequence[SummaryRow], figure) -> None:
-    cases = list(dict.fromkeys(r.case for r in rows))
-    axes = figure.subplots(1, len(cases), squeeze=False)[0]
-    metrics = ("dI/full", "dW/full", "(dI+dW)/full")
-    for ax, case in zip(axes, cases):
-        by_variant = {r.variant: r for r in rows if r.case == case}
-        _bar_chart(
-            ax,
-            list(metrics),
-            {v: [by_variant[v].values[m] for m in metrics] for v in by_variant},
-            "/ stock full backward",
-            1.0,
-        )
-        ax.set_title(case, fontsize=9)
-    figure.suptitle("Split backward: passes' time / stock's full backward")
-
-
-def _plot_kernels(rows: Sequence[SummaryRow], figure) -> None:
-    ax = figure.subplots()
-    labels = [f"{r.case} vs {r.baseline.split()[0]}" for r in rows]
-    _bar_chart(ax, labels, {"torch_ext/baseline": [r.values["ratio"] for r in rows]}, "device time / baseline", 1.0)
-    ax.set_title("Multi-tensor kernels: device time, torch_ext / stock's way")
-
-
-PLOTS: dict[str, Callable] = {
-    "engine_overhead": _plot_engine_overhead,
-    "overlap": _plot_overlap,
-    "split_backward": _plot_split_backward,
-    "kernels": _plot_kernels,
-}
-
-
-def write_plots(folder: Path, rows: Sequence[SummaryRow]) -> list[Path]:
-    """One PNG per benchmark with results; none (with a message) without matplotlib."""
+def write_plots(folder: Path, rows: Sequence) -> list[Path]:
+    """One PNG per benchmark with rows, drawn by the benchmark's own ``plot``; none (with a message) without
+    matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -608,12 +406,9 @@ def write_plots(folder: Path, rows: Sequence[SummaryRow]) -> list[Path]:
     from matplotlib.figure import Figure
 
     written = []
-    for name, plot in PLOTS.items():
-        selected = [r for r in rows if r.benchmark == name]
-        if not selected:
-            continue
+    for name in dict.fromkeys(r.benchmark for r in rows):
         figure = Figure(figsize=(8, 4.5), layout="constrained")
-        plot(selected, figure)
+        benchmark_module(name).plot([r for r in rows if r.benchmark == name], figure)
         path = folder / f"{name}.png"
         figure.savefig(path, dpi=110)
         written.append(path)
@@ -638,28 +433,7 @@ def fresh_folder(path: Path) -> Path:
 def default_folder(quick: bool) -> Path:
     """``results/bench-<UTC time>-<git sha or 'nogit'>[-quick]`` under the working directory."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return Path("results") / f"bench-{stamp}-{_git_sha()}{'-quick' if quick else ''}"
-
-
-def _git_sha() -> str:
-    """The short sha of the checkout torch_ext is imported from; 'nogit' when installed from a wheel.
-
-    Only a repository whose top level is the package's parent directory is the package's checkout: an
-    installed wheel may sit inside some other repository (a virtualenv in a project's tree).
-    """
-    package_dir = Path(__file__).resolve().parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=package_dir, capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != package_dir.parent:
-            return "nogit"
-        return git("rev-parse", "--short", "HEAD") or "nogit"
-    except (OSError, subprocess.CalledProcessError):
-        return "nogit"
+    return Path("results") / f"bench-{stamp}-{_common().git_sha()}{'-quick' if quick else ''}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
