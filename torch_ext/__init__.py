@@ -4,6 +4,7 @@ Importing torch_ext loads its C++ engine first and fails loudly (naming the torc
 for and the one it found) when that is not possible; see torch_ext/_loader.py.
 """
 
+from torch_ext.collectives import collective_role, register_collective_backward, unregister_collective_backward
 from torch_ext.engine import Engine, backward, disable, enable, enabled, grad, is_enabled
 from torch_ext.priority import (
     LAUNCH_FIRST,
@@ -33,6 +34,7 @@ __all__ = [
     "backward_input",
     "backward_weight",
     "clear_priority",
+    "collective_role",
     "disable",
     "enable",
     "enabled",
@@ -42,10 +44,12 @@ __all__ = [
     "kernels",
     "launch_first",
     "ops",
+    "register_collective_backward",
     "set_auto_collective_priority",
     "set_priority",
     "set_weight_accumulation_batching",
     "trace",
+    "unregister_collective_backward",
     "weight_accumulation_batching",
 ]
 
