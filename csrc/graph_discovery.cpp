@@ -70,9 +70,13 @@ class PlanBuilder {
       plan_.slots[slot].first_edge =
           static_cast<uint32_t>(plan_.edge_targets.size());
       plan_.slots[slot].expanded = true;
-      if (find_collectives_ && is_collective_node(*fn)) {
-        plan_.slots[slot].collective = true;
-        plan_.has_collectives = true;
+      if (find_collectives_) {
+        const CollectiveRole role = collective_role(*fn);
+        if (role == CollectiveRole::kLaunch) {
+          plan_.slots[slot].collective = true;
+          plan_.has_collectives = true;
+        }
+        plan_.slots[slot].collective_wait = role == CollectiveRole::kWait;
       }
       plan_.edge_targets.resize(plan_.edge_targets.size() + next_edges.size());
       for (size_t i = 0; i < next_edges.size(); ++i) {

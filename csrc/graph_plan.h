@@ -53,6 +53,9 @@ struct NodeSlot {
   // The backward of a collective, prioritised automatically
   // (collective_nodes.h).
   bool collective = false;
+  // The node waits for a collective's communication (collective_nodes.h):
+  // it is queued behind every other ready node of its priority.
+  bool collective_wait = false;
   // A gradient delivered to this node is a collective's result still in
   // flight (BackwardCall::defer_wait_to_first_use); wait before reading it.
   bool has_pending_wait = false;

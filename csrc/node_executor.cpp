@@ -389,7 +389,9 @@ void BackwardCall::deliver(
     // it; every other ready node of its priority runs first, overlapping the
     // communication. (A leaf's AccumulateGrad, sequence_nr UINT64_MAX, would
     // otherwise run, and wait, at once.)
-    const uint64_t order = slot.has_pending_wait ? 0 : slot.fn->sequence_nr();
+    const uint64_t order = slot.has_pending_wait || slot.collective_wait
+        ? 0
+        : slot.fn->sequence_nr();
     ready_.push({priority, order, target});
   }
 }
