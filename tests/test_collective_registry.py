@@ -20,28 +20,17 @@ from torch_ext import collectives
 COLLECTIVE_PRIORITY = 2**62
 
 
+def _identity_function(name: str) -> type:
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(lambda ctx, x: x.clone()), "backward": staticmethod(lambda ctx, grad: grad)},
+    )
+
+
 def _req_wait_pair():
     """A fresh Req/Wait pair of identity Functions, shaped like TorchRec's (new classes each call)."""
-
-    class Req(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
-
-    class Wait(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
-
-    return Req, Wait
+    return _identity_function("Req"), _identity_function("Wait")
 
 
 def _generated_node_class(op: str) -> type:
@@ -72,21 +61,38 @@ def test_builtin_role_of_a_generated_op_class(op, role):
 
 def test_torchrec_comm_ops_roles():
     comm_ops = pytest.importorskip("torchrec.distributed.comm_ops", reason="TorchRec is not installed")
-    pairs = [
-        ("All2All_Pooled_Req", "All2All_Pooled_Wait"),
-        ("Variable_Batch_All2All_Pooled_Req", "Variable_Batch_All2All_Pooled_Wait"),
-        ("All2All_Seq_Req", "All2All_Seq_Req_Wait"),
-        ("All2Allv_Req", "All2Allv_Wait"),
-        ("ReduceScatter_Req", "ReduceScatter_Wait"),
-        ("ReduceScatterBase_Req", "ReduceScatterBase_Wait"),
-        ("AllGatherBase_Req", "AllGatherBase_Wait"),
-        ("ReduceScatterV_Req", "ReduceScatterV_Wait"),
-    ]
-    for req, wait in pairs:
-        # Backward swaps the forward roles: the Wait's node launches, the Req's node waits.
-        assert torch_ext.collective_role(getattr(comm_ops, wait)) == "launch", wait
-        assert torch_ext.collective_role(getattr(comm_ops, req)) == "wait", req
-    assert torch_ext.collective_role(comm_ops.AllToAllSingle) == "launch"
+    functions = {
+        name: value
+        for name, value in vars(comm_ops).items()
+        if isinstance(value, type)
+        and issubclass(value, torch.autograd.Function)
+        and value.__module__ == comm_ops.__name__
+    }
+    # Backward swaps the forward roles: each pair's Wait node launches, its Req node waits.
+    expected = {
+        name: "launch"
+        if name.endswith("_Wait") or name == "AllToAllSingle"
+        else "wait"
+        if name.endswith("_Req")
+        else None
+        for name in functions
+    }
+    assert {name: torch_ext.collective_role(function) for name, function in functions.items()} == expected
+    assert list(expected.values()).count("wait") == 8, expected
+
+
+@pytest.mark.parametrize(
+    "module, role",
+    [
+        ("megatron.core.tensor_parallel.mappings", "launch"),
+        ("deepspeed.moe.sharded_moe", "launch"),
+        ("my_library.moe", None),
+    ],
+)
+def test_builtin_role_of_a_synchronous_all_to_all(module, role):
+    # A stand-in with the library's module and name: the rule reads nothing else of the class.
+    _AllToAll = type("_AllToAll", (torch.autograd.Function,), {"__module__": module})
+    assert torch_ext.collective_role(_AllToAll) == role
 
 
 def test_importing_torch_ext_imports_no_collective_library():

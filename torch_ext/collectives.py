@@ -18,13 +18,16 @@ node does. TorchRec's Req/Wait pairs swap roles in backward, so for its pooled a
     from torchrec.distributed.comm_ops import All2All_Pooled_Req, All2All_Pooled_Wait
     torch_ext.register_collective_backward(launches=All2All_Pooled_Wait, waits=All2All_Pooled_Req)
 
-(torch_ext already knows TorchRec's, so this is not needed there). A synchronous collective, such as
-Megatron-core's or DeepSpeed's ``_AllToAll``: ``register_collective_backward(launches=_AllToAll)``.
+(torch_ext already knows TorchRec's, so this is not needed there). A synchronous collective, whose
+node sends and waits: ``register_collective_backward(launches=MyAllToAll)``.
 
 Built in, without importing any of these libraries: torch_ext's own collective ops
 (:mod:`torch_ext.ops`), PyTorch's functional collectives (``_c10d_functional`` and
-``_c10d_functional_autograd`` ops) and TorchRec's ``torchrec.distributed.comm_ops`` (every Req/Wait
-pair, its synchronous ``AllToAllSingle`` and its ``torchrec::`` collective ops).
+``_c10d_functional_autograd`` ops), TorchRec's ``torchrec.distributed.comm_ops`` (every Req/Wait
+pair, its synchronous ``AllToAllSingle`` and its ``torchrec::`` collective ops), and the synchronous
+``_AllToAll`` of Megatron-core (``megatron.core.tensor_parallel.mappings``) and DeepSpeed
+(``deepspeed.moe.sharded_moe``). They are matched by the module and name of the forward Function
+class, once per class.
 
 The engine decides a node class's role once, the first time it meets the class, and keeps it for as
 long as the class lives: a registration wins over the built-in rules, and a later registration of
@@ -89,6 +92,10 @@ _KNOWN_FUNCTIONS: dict[tuple[str, str], int] = {
     },
     # The *_sync paths (torchrec_use_sync_collectives): backward issues a functional all_to_all.
     (_TORCHREC_COMM_OPS, "AllToAllSingle"): _LAUNCH,
+    # Mixture-of-experts token exchange, synchronous: backward runs the reverse all_to_all and
+    # returns when it has finished, so ordering can only start it earlier.
+    ("megatron.core.tensor_parallel.mappings", "_AllToAll"): _LAUNCH,
+    ("deepspeed.moe.sharded_moe", "_AllToAll"): _LAUNCH,
 }
 
 
