@@ -1,11 +1,17 @@
 #include "collective_nodes.h"
 
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
-#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string_view>
 #include <typeinfo>
+#include <unordered_map>
+#include <vector>
 
 namespace torch_ext {
 namespace {
@@ -14,70 +20,380 @@ std::atomic<bool> auto_priority_enabled{true};
 
 // PyNode's type_info. libtorch_python does not export it (typeid(PyNode)
 // fails to link), so torch_ext learns it from a live PyNode at import
-// (remember_python_node_type); until then no node counts as a collective.
+// (remember_python_node_type); until then no node has a role.
 std::atomic<const std::type_info*> python_node_type{nullptr};
 
-bool starts_with(std::string_view text, std::string_view prefix) {
-  return text.substr(0, prefix.size()) == prefix;
+// ---------------------------------------------------------------------------
+// The cache: node class (its PyTypeObject*) -> role.
+//
+// Read by discovery for every node without the GIL, written (rarely) by
+// registration, by the first sight of a class and by a class's death, all
+// with the GIL and `writer_mutex` held. Readers take no lock: the table is
+// open addressing over atomic words, each holding a class's address with
+// its role in the low bits (type objects are at least 8-byte aligned), so a
+// reader sees an entry whole or not at all. A full table is replaced by a
+// larger copy; readers may still be probing the old one, so old tables are
+// kept (their sizes double, so all of them together are at most twice the
+// current one). A reader that misses an entry only just added takes the
+// slow path, which looks again under the lock.
+//
+// Entries are keyed by address, and a class's address can be reused by a
+// new class once it is freed: every entry holds a weak reference to its
+// class whose callback removes the entry while the class dies, before its
+// memory can be reused. A node holds its class alive, so a class a reader
+// looks up for a live node is never removed under it.
+
+constexpr uintptr_t kRoleBits = 0x3;
+constexpr uintptr_t kAddressBits = ~uintptr_t{0x7};
+constexpr uintptr_t kEmpty = 0;
+// A removed entry: no class has address 0, and probing goes on past it.
+constexpr uintptr_t kRemoved = 0x4;
+// 256 words: room for 128 classes before the first copy.
+constexpr size_t kInitialCapacity = 256;
+
+uintptr_t entry_of(uintptr_t key, CollectiveRole role) {
+  return key | static_cast<uintptr_t>(role);
 }
 
-// torch.library.register_autograd names the Function class it generates
-// "GeneratedBackwardFor_{namespace}_{op}_{overload}"; its node class adds
-// "Backward" (torch/_library/autograd.py).
-bool is_collective_class_name(std::string_view name) {
-  constexpr std::string_view kGenerated = "GeneratedBackwardFor_";
-  if (!starts_with(name, kGenerated)) {
-    return false;
-  }
-  name.remove_prefix(kGenerated.size());
-  constexpr std::string_view kFunctional = "_c10d_functional_";
-  if (starts_with(name, kFunctional)) {
-    // Also _c10d_functional_autograd_*. Two of the namespace's ops are not
-    // collectives: wait_tensor, and _wrap_tensor_autograd (the identity that
-    // turns a result into an AsyncCollectiveTensor). Both are on the path to
-    // the collective they belong to, and so get its priority anyway.
-    return name.find("wait_tensor") == std::string_view::npos &&
-        name.find("_wrap_tensor_autograd") == std::string_view::npos;
-  }
-  constexpr std::string_view kOwn = "torch_ext_";
-  if (!starts_with(name, kOwn)) {
-    return false;
-  }
-  name.remove_prefix(kOwn.size());
-  // "all_reduce_" also covers all_reduce_coalesced.
-  for (std::string_view op :
-       {"all_to_all_single_", "all_reduce_", "reduce_scatter_tensor_",
-        "all_gather_into_tensor_"}) {
-    if (starts_with(name, op)) {
-      return true;
+class RoleTable {
+ public:
+  explicit RoleTable(size_t capacity)
+      : mask_(capacity - 1), slots_(new std::atomic<uintptr_t>[capacity]) {
+    TORCH_INTERNAL_ASSERT((capacity & mask_) == 0, "capacity must be a power of two");
+    for (size_t i = 0; i < capacity; ++i) {
+      slots_[i].store(kEmpty, std::memory_order_relaxed);
     }
   }
-  return false;
+
+  size_t capacity() const {
+    return mask_ + 1;
+  }
+
+  std::optional<CollectiveRole> find(uintptr_t key) const {
+    for (size_t i = home(key);; i = (i + 1) & mask_) {
+      const uintptr_t entry = slots_[i].load(std::memory_order_acquire);
+      if (entry == kEmpty) {
+        return std::nullopt;
+      }
+      if ((entry & kAddressBits) == key) {
+        return static_cast<CollectiveRole>(entry & kRoleBits);
+      }
+    }
+  }
+
+  // Writers only. The word holding `key`, or null.
+  std::atomic<uintptr_t>* slot_of(uintptr_t key) {
+    for (size_t i = home(key);; i = (i + 1) & mask_) {
+      const uintptr_t entry = slots_[i].load(std::memory_order_relaxed);
+      if (entry == kEmpty) {
+        return nullptr;
+      }
+      if ((entry & kAddressBits) == key) {
+        return &slots_[i];
+      }
+    }
+  }
+
+  // Writers only; `key` is absent. Returns whether it took an empty word
+  // (rather than a removed entry's).
+  bool insert(uintptr_t key, CollectiveRole role) {
+    for (size_t i = home(key);; i = (i + 1) & mask_) {
+      const uintptr_t entry = slots_[i].load(std::memory_order_relaxed);
+      if (entry == kEmpty || entry == kRemoved) {
+        slots_[i].store(entry_of(key, role), std::memory_order_release);
+        return entry == kEmpty;
+      }
+    }
+  }
+
+  template <typename Visit>
+  void for_each_entry(Visit&& visit) const {
+    for (size_t i = 0; i <= mask_; ++i) {
+      const uintptr_t entry = slots_[i].load(std::memory_order_relaxed);
+      if (entry != kEmpty && entry != kRemoved) {
+        visit(entry & kAddressBits, static_cast<CollectiveRole>(entry & kRoleBits));
+      }
+    }
+  }
+
+ private:
+  size_t home(uintptr_t key) const {
+    // Fibonacci hashing; the low 4 bits of an allocation carry nothing.
+    return static_cast<size_t>(((key >> 4) * 0x9E3779B97F4A7C15ull) >> 32) & mask_;
+  }
+
+  size_t mask_;
+  std::unique_ptr<std::atomic<uintptr_t>[]> slots_;
+};
+
+class RoleCache {
+ public:
+  RoleCache() {
+    tables_.push_back(std::make_unique<RoleTable>(kInitialCapacity));
+    current_.store(tables_.back().get(), std::memory_order_release);
+  }
+
+  std::optional<CollectiveRole> find(uintptr_t key) const {
+    return current_.load(std::memory_order_acquire)->find(key);
+  }
+
+  // Sets `key`'s role; with `overwrite` false an existing entry wins and its
+  // role is returned. `weakref` (a new reference, to the class) is kept for a
+  // new entry and handed back otherwise, to be released by the caller
+  // outside the lock.
+  CollectiveRole store(uintptr_t key, CollectiveRole role, bool overwrite, THPObjectPtr& weakref) {
+    std::lock_guard<std::mutex> lock(writer_mutex_);
+    RoleTable* table = current_.load(std::memory_order_relaxed);
+    if (std::atomic<uintptr_t>* slot = table->slot_of(key)) {
+      if (!overwrite) {
+        return static_cast<CollectiveRole>(slot->load(std::memory_order_relaxed) & kRoleBits);
+      }
+      slot->store(entry_of(key, role), std::memory_order_release);
+      return role;
+    }
+    // At most half full, counting removed entries: probes stay short.
+    if ((used_words_ + 1) * 2 > table->capacity()) {
+      table = grow();
+    }
+    if (table->insert(key, role)) {
+      used_words_ += 1;
+    }
+    key_of_weakref_.emplace(weakref.release(), key);
+    return role;
+  }
+
+  // The weak reference's class is dying: forget it. Returns whether the
+  // reference was one of the cache's (whose reference the caller drops).
+  bool remove(PyObject* weakref) {
+    std::lock_guard<std::mutex> lock(writer_mutex_);
+    auto it = key_of_weakref_.find(weakref);
+    if (it == key_of_weakref_.end()) {
+      return false;
+    }
+    RoleTable* table = current_.load(std::memory_order_relaxed);
+    if (std::atomic<uintptr_t>* slot = table->slot_of(it->second)) {
+      slot->store(kRemoved, std::memory_order_release);
+    }
+    key_of_weakref_.erase(it);
+    return true;
+  }
+
+  size_t size() const {
+    std::lock_guard<std::mutex> lock(writer_mutex_);
+    return key_of_weakref_.size();
+  }
+
+ private:
+  RoleTable* grow() {
+    RoleTable* old_table = current_.load(std::memory_order_relaxed);
+    const size_t live = key_of_weakref_.size();
+    size_t capacity = old_table->capacity();
+    while ((live + 1) * 4 > capacity) {
+      capacity *= 2;
+    }
+    auto table = std::make_unique<RoleTable>(capacity);
+    old_table->for_each_entry(
+        [&](uintptr_t key, CollectiveRole role) { table->insert(key, role); });
+    used_words_ = live;
+    tables_.push_back(std::move(table));
+    current_.store(tables_.back().get(), std::memory_order_release);
+    return tables_.back().get();
+  }
+
+  mutable std::mutex writer_mutex_;
+  std::atomic<RoleTable*> current_{nullptr};
+  // Every table ever made: readers may still probe an old one.
+  std::vector<std::unique_ptr<RoleTable>> tables_;
+  // Words of the current table that are not empty (entries and removed ones).
+  size_t used_words_ = 0;
+  // The cache's weak reference to each class it holds -> that class's key.
+  std::unordered_map<PyObject*, uintptr_t> key_of_weakref_;
+};
+
+// Never destroyed: weak reference callbacks and discovery on other threads may
+// run during interpreter shutdown.
+RoleCache& role_cache() {
+  static auto* cache = new RoleCache();
+  return *cache;
 }
+
+// torch_ext.collectives' built-in rules, called with a node class seen for the
+// first time; returns its role as an int. Guarded by the GIL.
+PyObject* role_decider = nullptr;
+// The weak references' callback (forget_dead_class below).
+PyObject* forget_callback = nullptr;
+
+uintptr_t key_of(PyTypeObject* node_class) {
+  const auto key = reinterpret_cast<uintptr_t>(node_class);
+  TORCH_INTERNAL_ASSERT((key & ~kAddressBits) == 0, "a type object is not 8-byte aligned");
+  return key;
+}
+
+// With the GIL. Records `node_class`'s role (see RoleCache::store).
+CollectiveRole remember_role(PyTypeObject* node_class, CollectiveRole role, bool overwrite) {
+  // Made before the cache is locked: allocating may collect garbage and so
+  // run finalizers, including forget_dead_class, which locks it.
+  THPObjectPtr weakref(PyWeakref_NewRef(reinterpret_cast<PyObject*>(node_class), forget_callback));
+  if (!weakref) {
+    throw python_error();
+  }
+  return role_cache().store(key_of(node_class), role, overwrite, weakref);
+}
+
+CollectiveRole role_from_int(long value) {
+  TORCH_CHECK(
+      value >= 0 && value <= static_cast<long>(CollectiveRole::kWait),
+      "a collective role is 0 (none), 1 (launch) or 2 (wait), got ",
+      value);
+  return static_cast<CollectiveRole>(value);
+}
+
+// The slow path: `node_class` is not in the cache.
+CollectiveRole decide_role(PyTypeObject* node_class) {
+  pybind11::gil_scoped_acquire gil;
+  // Another thread may have decided, or registered, it while this one waited.
+  if (auto role = role_cache().find(key_of(node_class))) {
+    return *role;
+  }
+  if (role_decider == nullptr) {
+    // torch_ext.collectives not imported yet: decide again next time.
+    return CollectiveRole::kNone;
+  }
+  THPObjectPtr decided(PyObject_CallOneArg(role_decider, reinterpret_cast<PyObject*>(node_class)));
+  if (!decided) {
+    throw python_error();
+  }
+  const long value = PyLong_AsLong(decided.get());
+  if (value == -1 && PyErr_Occurred()) {
+    throw python_error();
+  }
+  // Not overwriting: a registration made while the decider ran wins.
+  return remember_role(node_class, role_from_int(value), /*overwrite=*/false);
+}
+
+PyObject* forget_dead_class(PyObject* /*self*/, PyObject* weakref) {
+  if (role_cache().remove(weakref)) {
+    Py_DECREF(weakref);
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef forget_dead_class_def = {
+    "_forget_dead_node_class",
+    forget_dead_class,
+    METH_O,
+    "Weak reference callback: a node class the collective role cache holds is dying."};
+
+PyTypeObject* checked_node_class(PyObject* obj) {
+  TORCH_CHECK_TYPE(
+      PyType_Check(obj) &&
+          PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(obj), &THPFunctionType),
+      "expected the backward node class of an autograd.Function (Function._backward_cls), got ",
+      PyType_Check(obj) ? reinterpret_cast<PyTypeObject*>(obj)->tp_name : Py_TYPE(obj)->tp_name);
+  return reinterpret_cast<PyTypeObject*>(obj);
+}
+
+PyObject* py_set_collective_role(PyObject* /*module*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* node_class = nullptr;
+  long role = 0;
+  if (!PyArg_ParseTuple(args, "Ol", &node_class, &role)) {
+    return nullptr;
+  }
+  remember_role(checked_node_class(node_class), role_from_int(role), /*overwrite=*/true);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_set_collective_role_decider(PyObject* /*module*/, PyObject* decider) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(PyCallable_Check(decider), "the role decider must be callable");
+  Py_INCREF(decider);
+  Py_XSETREF(role_decider, decider);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// The role of a node class, deciding it if it is new.
+CollectiveRole role_of_class(PyTypeObject* node_class) {
+  if (auto role = role_cache().find(key_of(node_class))) {
+    return *role;
+  }
+  return decide_role(node_class);
+}
+
+PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
+  HANDLE_TH_ERRORS
+  if (PyType_Check(node_or_class)) {
+    return PyLong_FromLong(static_cast<long>(role_of_class(checked_node_class(node_or_class))));
+  }
+  TORCH_CHECK_TYPE(
+      THPFunction_Check(node_or_class),
+      "collective_role expects the node of a Python autograd.Function or its class, got ",
+      Py_TYPE(node_or_class)->tp_name);
+  const auto node = reinterpret_cast<THPFunction*>(node_or_class)->cdata;
+  CollectiveRole role = CollectiveRole::kNone;
+  if (node) {
+    pybind11::gil_scoped_release no_gil; // as discovery calls it
+    role = collective_role(*node);
+  }
+  return PyLong_FromLong(static_cast<long>(role));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_collective_role_cache_size(PyObject* /*module*/, PyObject* /*unused*/) {
+  return PyLong_FromSize_t(role_cache().size());
+}
+
+PyMethodDef collective_methods[] = {
+    {"set_collective_role",
+     py_set_collective_role,
+     METH_VARARGS,
+     "set_collective_role(node_class, role): 0 none, 1 launch, 2 wait; wins over "
+     "the built-in rules."},
+    {"set_collective_role_decider",
+     py_set_collective_role_decider,
+     METH_O,
+     "set_collective_role_decider(fn): fn(node_class) -> role, called once per "
+     "class not registered."},
+    {"collective_role",
+     py_collective_role,
+     METH_O,
+     "collective_role(node or node class) -> role of a Python Function's node, "
+     "as the engine sees it (0 none, 1 launch, 2 wait)."},
+    {"_collective_role_cache_size",
+     py_collective_role_cache_size,
+     METH_NOARGS,
+     "_collective_role_cache_size() -> number of node classes whose role is cached."},
+    {nullptr, nullptr, 0, nullptr}};
 
 } // namespace
 
-bool is_collective_node(const torch::autograd::Node& fn) {
+CollectiveRole collective_role(const torch::autograd::Node& fn) {
   const std::type_info* python_node = python_node_type.load(std::memory_order_relaxed);
   // Address comparison: the one type_info object of PyNode lives in
   // libtorch_python (this library cannot even name it), while
   // type_info::operator== falls back to strcmp on the mangled names, which
   // share their first 16 characters across torch's autograd nodes.
   if (python_node == nullptr || &typeid(fn) != python_node) {
-    return false;
+    return CollectiveRole::kNone;
   }
-  // The class name is read without the GIL: a PyNode's Python object (its
-  // THPFunction) lives as long as the node, and a class's tp_name only
-  // changes if Python code assigns __name__, which nothing does to these
-  // generated classes.
-  const PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
-  return obj != nullptr && is_collective_class_name(Py_TYPE(obj)->tp_name);
+  // Read without the GIL: a PyNode's Python object (its THPFunction) lives
+  // as long as the node, and so does its class.
+  PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
+  if (obj == nullptr) {
+    return CollectiveRole::kNone;
+  }
+  return role_of_class(Py_TYPE(obj));
 }
 
 bool defers_its_wait(const torch::autograd::Node& fn) {
+  // Only discovery calls this, for a node it found to be a launch (a PyNode),
+  // once per launch node: a handful per call.
   const PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
+  constexpr std::string_view kOwnOps = "GeneratedBackwardFor_torch_ext_";
   return obj != nullptr &&
-      starts_with(Py_TYPE(obj)->tp_name, "GeneratedBackwardFor_torch_ext_");
+      std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) == kOwnOps;
 }
 
 void remember_python_node_type(const torch::autograd::Node& example) {
@@ -94,6 +410,11 @@ void set_auto_collective_priority(bool enabled) {
 
 bool auto_collective_priority() {
   return auto_priority_enabled.load(std::memory_order_relaxed);
+}
+
+bool init_collective_bindings(PyObject* module) {
+  forget_callback = PyCFunction_New(&forget_dead_class_def, nullptr);
+  return forget_callback != nullptr && PyModule_AddFunctions(module, collective_methods) == 0;
 }
 
 } // namespace torch_ext

@@ -70,11 +70,15 @@ class PlanBuilder {
           static_cast<uint32_t>(plan_.edge_targets.size());
       plan_.slots[slot].expanded = true;
       // Recognised whether or not they get the automatic priority: a call
-      // with collectives may defer their waits, and so must know stock's
-      // delivery order (schedule_replay.h).
-      if (is_collective_node(*fn)) {
+      // with collectives may defer their waits or run their wait nodes late,
+      // and so must know stock's delivery order (schedule_replay.h).
+      const CollectiveRole role = collective_role(*fn);
+      if (role == CollectiveRole::kLaunch) {
         plan_.slots[slot].collective = true;
         plan_.slots[slot].defers_wait = defers_its_wait(*fn);
+        plan_.has_collectives = true;
+      } else if (role == CollectiveRole::kWait) {
+        plan_.slots[slot].collective_wait = true;
         plan_.has_collectives = true;
       }
       plan_.edge_targets.resize(plan_.edge_targets.size() + next_edges.size());

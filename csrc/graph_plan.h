@@ -59,6 +59,9 @@ struct NodeSlot {
   // A collective whose backward hands its result over in flight
   // (BackwardCall::defer_wait_to_first_use): torch_ext's own ops.
   bool defers_wait = false;
+  // The node waits for a collective's communication (collective_nodes.h):
+  // it is queued behind every other ready node of its priority.
+  bool collective_wait = false;
   // A gradient delivered to this node is a collective's result still in
   // flight (BackwardCall::defer_wait_to_first_use); wait before reading it.
   bool has_pending_wait = false;
@@ -118,9 +121,10 @@ struct GraphPlan {
   // order_deliveries_as_stock (schedule_replay.h) for a call that may run
   // producers out of stock's order. Indexed by edge id: slot s's i-th next
   // edge is slots[s].first_edge + i; root edge r is edge_targets.size() + r.
-  // An input that receives three or more gradients has an index in
-  // [0, num_ordered_inputs) (two-term sums commute, so fewer need no order);
-  // each delivery into it has its place in the order stock would deliver in.
+  // An input that receives two or more gradients has an index in
+  // [0, num_ordered_inputs) (two-term sums commute in value, but the sum
+  // takes the layout of the first term, so two are ordered too); each
+  // delivery into it has its place in the order stock would deliver in.
   bool stock_order_known = false;
   uint32_t num_ordered_inputs = 0;
   std::vector<int32_t> ordered_input_of_edge;

@@ -386,7 +386,10 @@ ReadyNode BackwardCall::ready_key(int32_t target) const {
   // it; every other ready node of its priority runs first, overlapping the
   // communication. (A leaf's AccumulateGrad, sequence_nr UINT64_MAX, would
   // otherwise run, and wait, at once.)
-  const uint64_t order = slot.has_pending_wait ? 0 : slot.fn->sequence_nr();
+  // A collective's wait node likewise runs as late as its readers allow.
+  const uint64_t order = slot.has_pending_wait || slot.collective_wait
+      ? 0
+      : slot.fn->sequence_nr();
   return {priority, order, target};
 }
 

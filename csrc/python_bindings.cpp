@@ -597,5 +597,9 @@ PyMODINIT_FUNC PyInit__C() {
     Py_DECREF(module);
     return nullptr;
   }
+  if (module != nullptr && !torch_ext::init_collective_bindings(module)) {
+    Py_DECREF(module);
+    return nullptr;
+  }
   return module;
 }

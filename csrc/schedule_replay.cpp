@@ -107,7 +107,7 @@ void order_deliveries_as_stock(GraphPlan& plan, bool every_slot_runs) {
   std::vector<int32_t> ordered_index(arrivals.size(), kNoSlot);
   uint32_t num_ordered = 0;
   for (size_t p = 0; p < arrivals.size(); ++p) {
-    if (arrivals[p] >= 3) {
+    if (arrivals[p] >= 2) {
       ordered_index[p] = static_cast<int32_t>(num_ordered++);
     }
   }
@@ -145,7 +145,9 @@ std::vector<Node*> planned_run_order(const GraphPlan& plan) {
       [&](int32_t s) {
         const int64_t priority = plan.priority.empty() ? 0 : plan.priority[s];
         const uint64_t sequence_nr =
-            receives_in_flight[s] ? 0 : plan.slots[s].fn->sequence_nr();
+            receives_in_flight[s] || plan.slots[s].collective_wait
+            ? 0
+            : plan.slots[s].fn->sequence_nr();
         return ReadyNode{priority, sequence_nr, s};
       },
       [](size_t, int32_t, uint32_t) {},

@@ -4,6 +4,7 @@ Importing torch_ext loads its C++ engine first and fails loudly (naming the torc
 for and the one it found) when that is not possible; see torch_ext/_loader.py.
 """
 
+from torch_ext.collectives import collective_role, register_collective_backward, unregister_collective_backward
 from torch_ext.current_node import current_node_supported
 from torch_ext.engine import Engine, backward, disable, enable, enabled, grad, is_enabled
 from torch_ext.order import execution_order
@@ -35,6 +36,7 @@ __all__ = [
     "backward_input",
     "backward_weight",
     "clear_priority",
+    "collective_role",
     "current_node_supported",
     "disable",
     "enable",
@@ -46,10 +48,12 @@ __all__ = [
     "kernels",
     "launch_first",
     "ops",
+    "register_collective_backward",
     "set_auto_collective_priority",
     "set_priority",
     "set_weight_accumulation_batching",
     "trace",
+    "unregister_collective_backward",
     "weight_accumulation_batching",
 ]
 

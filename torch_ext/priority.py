@@ -109,10 +109,12 @@ def launch_first(target: PriorityTarget) -> None:
 def set_auto_collective_priority(enabled: bool) -> None:
     """Switches the automatic priority of collectives (on by default).
 
-    When on, the backward node of every collective — torch_ext's own ops (:mod:`torch_ext.ops`)
-    and PyTorch's functional collectives (``_c10d_functional``) — runs with a high propagated
-    priority (``2**62``, below :data:`LAUNCH_FIRST`), unless it has a priority of its own: the
-    engine drives straight to it so its communication starts as early as dependencies allow.
+    When on, the backward node that launches a collective — torch_ext's own ops
+    (:mod:`torch_ext.ops`), PyTorch's functional collectives (``_c10d_functional``), TorchRec's
+    comm_ops and whatever :func:`torch_ext.register_collective_backward` declared (see
+    :mod:`torch_ext.collectives`) — runs with a high propagated priority (``2**62``, below
+    :data:`LAUNCH_FIRST`), unless it has a priority of its own: the engine drives straight to it
+    so its communication starts as early as dependencies allow.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"torch_ext.set_auto_collective_priority: expected a bool, got {type(enabled).__name__}")
