@@ -240,3 +240,24 @@ def test_stock_backward_on_another_thread_stays_on_stock(where):
     assert [call["thread"] for call in backward_calls(traced)] == [thread.native_id]
     assert torch.equal(w.grad, stock_w.grad)
     assert torch.equal(x.grad, torch.autograd.grad(x.tanh().sum(), x)[0])
+
+
+# ---------------------------------------------------------------- torch_ext.Engine takes stock's arguments as given
+
+
+def test_engine_run_backward_without_inputs_like_stock():
+    def run(engine):
+        torch.manual_seed(0)
+        x = leaf(3)
+        engine.run_backward(((x * x).sum(),), (torch.ones(()),), False, False, accumulate_grad=True)  # no inputs=
+        return x.grad
+
+    assert torch.equal(run(torch._C._ImperativeEngine()), run(torch_ext.Engine()))
+
+
+def test_op_backward_with_empty_inputs_raises_like_stock():
+    # torch.autograd.backward checks this in Python; the op, which has no Python, in C++.
+    assert_same_error(
+        lambda: torch.autograd.backward([leaf(2).sum()], [None], inputs=[]),
+        lambda: torch.ops.torch_ext.backward([leaf(2).sum()], [None], inputs=[]),
+    )

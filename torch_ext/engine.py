@@ -54,25 +54,14 @@ class Engine:
     engine's entry and cannot trace torch_ext's driver node.
     """
 
-    def run_backward(
-        self,
-        tensors,
-        grad_tensors,
-        keep_graph,
-        create_graph,
-        inputs=None,
-        allow_unreachable=False,
-        accumulate_grad=False,
-        *,
-        priorities=None,
-    ):
-        """``torch._C._EngineBase.run_backward`` on torch_ext's engine.
+    def run_backward(self, *args, priorities=None, **kwargs):
+        """``torch._C._EngineBase.run_backward(tensors, grad_tensors, keep_graph, create_graph, inputs=None,
+        allow_unreachable=False, accumulate_grad=False)`` on torch_ext's engine.
 
         ``priorities`` (``{tensor, Node or GradientEdge: int}``) apply to this call only, as for
         :func:`torch_ext.backward`.
         """
-        args = (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
-        return _run_on_torch_ext(args, {}, priority_overrides(priorities, "Engine.run_backward"))
+        return _run_on_torch_ext(args, kwargs, priority_overrides(priorities, "Engine.run_backward"))
 
     def queue_callback(self, callback) -> None:
         """Runs ``callback`` when the current backward pass finishes (as DDP and FSDP do)."""
