@@ -16,6 +16,16 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_PIN = "2.13.0"
 TRITON_REQUIREMENT = "triton==3.9.*; platform_system == 'Linux'"
+# TorchRec's tests (tests/distributed/test_torchrec.py) and its dependencies, less the CUDA fbgemm-gpu its
+# metadata asks for: torchrec itself is installed with --no-deps (README quickstart). fbgemm's compatibility
+# table pairs fbgemm-gpu-cpu 1.8 with torch 2.13.
+TORCHREC_DEPENDENCIES = [
+    "fbgemm-gpu-cpu==1.8.0; platform_system == 'Linux'",
+    "tensordict==0.15.3",
+    "torchmetrics==1.0.3",
+    "pyre-extensions==0.0.32",
+    "iopath==0.1.10",
+]
 
 
 class BuildWithInfo(BuildExtension):
@@ -56,7 +66,7 @@ setup(
         # only: there are no other wheels.
         "triton": [TRITON_REQUIREMENT],
         # tests/triton/ runs the kernels on CPU through Triton's interpreter.
-        "test": ["pytest", "hypothesis", TRITON_REQUIREMENT, "matplotlib", "tqdm"],
+        "test": ["pytest", "hypothesis", TRITON_REQUIREMENT, "matplotlib", "tqdm", *TORCHREC_DEPENDENCIES],
         # `python -m torch_ext bench`: its plots and progress bar (without them it prints lines and no plots).
         "bench": ["matplotlib", "tqdm"],
     },

@@ -2,18 +2,16 @@
 //
 // run_backward takes exactly the arguments of torch._C._EngineBase.run_backward
 // (roots may be GradientEdges, whose node is a Python object), so
-// torch_ext.Engine can stand in for torch.autograd's execution engine. Its
-// argument checks and messages are stock's (THPEngine_run_backward).
+// torch_ext.Engine can stand in for torch.autograd's execution engine; the
+// request builder (backward_request.h) checks them as stock does.
 
+#include "backward_request.h"
 #include "collective_nodes.h"
-#include "engine_api.h"
 #include "python_engine_info.h"
 #include "schedule_replay.h"
 #include "python_split.h"
 #include "trace.h"
 
-#include <ATen/LegacyBatchedTensorImpl.h>
-#include <ATen/LegacyVmapMode.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_anomaly_mode.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
@@ -25,75 +23,6 @@
 
 namespace torch_ext {
 namespace {
-
-// The C++ node behind a torch.autograd.graph.Node, or null if `obj` is none.
-c10::intrusive_ptr<Node> node_of(PyObject* obj) {
-  if (THPFunction_Check(obj)) {
-    return reinterpret_cast<THPFunction*>(obj)->cdata;
-  }
-  if (torch::autograd::THPCppFunction_Check(obj)) {
-    return reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata;
-  }
-  return {};
-}
-
-Edge parse_gradient_edge(PyObject* obj) {
-  PyObject* grad_fn = PyTuple_GetItem(obj, 0);
-  const auto output_nr = THPUtils_unpackLong(PyTuple_GetItem(obj, 1));
-  auto node = node_of(grad_fn);
-  TORCH_CHECK(
-      node,
-      "GradientEdge's first object must be an autograd.graph.Node but got ",
-      THPUtils_typename(grad_fn));
-  return Edge(std::move(node), static_cast<uint32_t>(output_nr));
-}
-
-c10::intrusive_ptr<Node> checked_node_of(PyObject* obj) {
-  auto node = node_of(obj);
-  TORCH_CHECK_TYPE(
-      node,
-      "expected a torch.autograd.graph.Node, but got ",
-      THPUtils_typename(obj));
-  return node;
-}
-
-// [(node, priority, propagate), ...] as built by torch_ext.priority.
-std::vector<PriorityOverride> parse_priority_overrides(PyObject* overrides) {
-  std::vector<PriorityOverride> parsed;
-  if (overrides == nullptr || overrides == Py_None) {
-    return parsed;
-  }
-  THPObjectPtr items{PySequence_Fast(overrides, "priorities must be a sequence")};
-  if (!items) {
-    throw python_error();
-  }
-  const Py_ssize_t count = PySequence_Fast_GET_SIZE(items.get());
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    PyObject* item = PySequence_Fast_GET_ITEM(items.get(), i);
-    TORCH_CHECK_TYPE(
-        PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 3,
-        "priorities must hold (node, priority, propagate) tuples");
-    NodePriority priority;
-    priority.priority = THPUtils_unpackLong(PyTuple_GET_ITEM(item, 1));
-    priority.propagate = PyObject_IsTrue(PyTuple_GET_ITEM(item, 2)) == 1;
-    parsed.push_back({checked_node_of(PyTuple_GET_ITEM(item, 0)), priority});
-  }
-  return parsed;
-}
-
-void check_not_batched(const at::Tensor& tensor, const char* what, size_t i) {
-  TORCH_CHECK(
-      !at::isBatchedTensor(tensor),
-      "torch.autograd.grad(outputs, inputs, grad_outputs) called inside ",
-      "torch.vmap. We do not support the case where any ",
-      what,
-      " are vmapped tensors (",
-      what == std::string("outputs") ? "output " : "input ",
-      i,
-      " is being vmapped over). Please "
-      "call autograd.grad() outside torch.vmap or file a bug report "
-      "with your use case.");
-}
 
 PyObject* nodes_to_list(const std::vector<Node*>& nodes) {
   THPObjectPtr list{PyList_New(static_cast<Py_ssize_t>(nodes.size()))};
@@ -120,15 +49,8 @@ PyObject* py_execution_order(PyObject* /*module*/, PyObject* args) {
   if (!PyArg_ParseTuple(args, "O!O!O", &PyTuple_Type, &roots, &PyTuple_Type, &inputs, &priorities)) {
     return nullptr;
   }
-  auto parse_edges = [](PyObject* tuple) {
-    edge_list edges;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); ++i) {
-      edges.push_back(parse_gradient_edge(PyTuple_GET_ITEM(tuple, i)));
-    }
-    return edges;
-  };
-  const edge_list root_edges = parse_edges(roots);
-  const edge_list input_edges = parse_edges(inputs);
+  const edge_list root_edges = gradient_edges_from_python(roots);
+  const edge_list input_edges = gradient_edges_from_python(inputs);
   auto overrides = parse_priority_overrides(priorities);
   std::vector<Node*> order;
   {
@@ -193,134 +115,18 @@ PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs
           &priorities)) {
     return nullptr;
   }
-  TORCH_CHECK(
-      PyTuple_Check(tensors),
-      "tensors argument is expected to be a tuple, but got ",
-      THPUtils_typename(tensors));
-  TORCH_CHECK(
-      PyTuple_Check(grad_tensors),
-      "grad_tensors argument is expected to be a tuple, but got ",
-      THPUtils_typename(grad_tensors));
-  const Py_ssize_t num_tensors = PyTuple_GET_SIZE(tensors);
-  const Py_ssize_t num_gradients = PyTuple_GET_SIZE(grad_tensors);
-  TORCH_CHECK(
-      num_tensors == num_gradients,
-      "got ",
-      num_tensors,
-      " tensors and ",
-      num_gradients,
-      " gradients");
-  const bool backward_api_called = accumulate_grad;
-  TORCH_CHECK(
-      !backward_api_called || at::impl::VmapMode::current_vmap_level() == 0,
-      "backward() called inside torch.vmap. This is not supported, "
-      "please call backward() outside torch.vmap or instead use "
-      "torch.autograd.grad inside torch.vmap");
-
-  edge_list roots;
-  roots.reserve(num_tensors);
-  variable_list grads;
-  grads.reserve(num_tensors);
-  for (Py_ssize_t i = 0; i < num_tensors; ++i) {
-    PyObject* root = PyTuple_GET_ITEM(tensors, i);
-    std::optional<at::Tensor> root_tensor;
-    if (THPVariable_Check(root)) {
-      root_tensor = THPVariable_Unpack(root);
-      check_not_batched(*root_tensor, "outputs", i);
-      roots.push_back(root_edge(*root_tensor, i));
-    } else if (PyObject_IsInstance(root, THPGradientEdgeClass)) {
-      roots.push_back(parse_gradient_edge(root));
-      TORCH_CHECK(
-          roots.back().function,
-          "element ",
-          i,
-          " of tensors does not require grad and does not have a grad_fn");
-    } else {
-      TORCH_CHECK(
-          false,
-          "element ",
-          i,
-          " of tensors tuple is neither a Tensor nor a GradientEdge");
-    }
-
-    PyObject* grad = PyTuple_GET_ITEM(grad_tensors, i);
-    if (THPVariable_Check(grad)) {
-      grads.push_back(THPVariable_Unpack(grad));
-    } else {
-      TORCH_CHECK(
-          grad == Py_None,
-          "element ",
-          i,
-          " of gradients tuple is not a Tensor or None");
-      TORCH_CHECK(
-          root_tensor.has_value(),
-          "element ",
-          i,
-          " of gradients tuple is None, but the corresponding output is a GradientEdge."
-          "This is not supported.");
-      TORCH_CHECK(
-          !root_tensor->requires_grad(),
-          "element ",
-          i,
-          " of gradients tuple is None, but the corresponding Tensor requires grad");
-      grads.emplace_back();
-    }
-  }
-
-  edge_list input_edges;
-  if (inputs != nullptr) {
-    TORCH_CHECK(
-        PyTuple_CheckExact(inputs), "inputs to run_backward must be a tuple");
-    const Py_ssize_t num_inputs = PyTuple_GET_SIZE(inputs);
-    input_edges.reserve(num_inputs);
-    for (Py_ssize_t i = 0; i < num_inputs; ++i) {
-      PyObject* input = PyTuple_GET_ITEM(inputs, i);
-      if (THPVariable_Check(input)) {
-        const auto& tensor = THPVariable_Unpack(input);
-        check_not_batched(tensor, "inputs", i);
-        input_edges.push_back(input_edge(tensor, accumulate_grad));
-      } else if (PyObject_IsInstance(input, THPGradientEdgeClass)) {
-        input_edges.push_back(parse_gradient_edge(input));
-      } else {
-        TORCH_CHECK(
-            false,
-            "all inputs have to be Tensors or GradientEdges, but got ",
-            THPUtils_typename(input));
-      }
-    }
-  }
-
-  auto priority_overrides = parse_priority_overrides(priorities);
-
-  variable_list results;
-  {
-    pybind11::gil_scoped_release no_gil;
-    results = run_backward(
-        roots,
-        std::move(grads),
-        input_edges,
-        {static_cast<bool>(keep_graph),
-         static_cast<bool>(create_graph),
-         static_cast<bool>(accumulate_grad)},
-        std::move(priority_overrides));
-  }
-
-  if (!backward_api_called && inputs != nullptr) {
-    const Py_ssize_t num_inputs = PyTuple_GET_SIZE(inputs);
-    THPObjectPtr py_results{PyTuple_New(num_inputs)};
-    if (!py_results) {
-      return nullptr;
-    }
-    for (Py_ssize_t i = 0; i < num_inputs; ++i) {
-      TORCH_CHECK(
-          allow_unreachable || results[i].defined(),
-          "The differentiated Tensor at index ",
-          i,
-          " appears to not have been used "
-          "in the graph. Set allow_unused=True if this is the desired behavior.");
-      PyTuple_SET_ITEM(py_results.get(), i, THPVariable_Wrap(results[i]));
-    }
-    return py_results.release();
+  const bool grad_api_called = !accumulate_grad && inputs != nullptr;
+  auto results = run(request_from_python(
+      tensors,
+      grad_tensors,
+      inputs,
+      {static_cast<bool>(keep_graph),
+       static_cast<bool>(create_graph),
+       static_cast<bool>(accumulate_grad)},
+      allow_unreachable,
+      priorities));
+  if (grad_api_called) {
+    return wrap_tensors(results);
   }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS

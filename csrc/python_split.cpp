@@ -8,8 +8,8 @@
 
 #include "python_split.h"
 
+#include "backward_request.h"
 #include "batched_accumulation.h"
-#include "engine_api.h"
 #include "split_backward.h"
 
 #include <torch/csrc/Exceptions.h>
@@ -54,40 +54,6 @@ PyObject* wrap_state(std::shared_ptr<SplitState> state) {
   new (&reinterpret_cast<PySplitState*>(obj)->state)
       std::shared_ptr<SplitState>(std::move(state));
   return obj;
-}
-
-PyObject* wrap_tensors(const variable_list& tensors) {
-  THPObjectPtr result{PyTuple_New(static_cast<Py_ssize_t>(tensors.size()))};
-  if (!result) {
-    return nullptr;
-  }
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    PyTuple_SET_ITEM(
-        result.get(), static_cast<Py_ssize_t>(i), THPVariable_Wrap(tensors[i]));
-  }
-  return result.release();
-}
-
-const at::Tensor& tensor_at(PyObject* tuple, Py_ssize_t i, const char* what) {
-  PyObject* item = PyTuple_GET_ITEM(tuple, i);
-  TORCH_CHECK_TYPE(
-      THPVariable_Check(item),
-      "backward_input: ",
-      what,
-      " must be tensors, but element ",
-      i,
-      " is ",
-      THPUtils_typename(item));
-  return THPVariable_Unpack(item);
-}
-
-void check_tuple(PyObject* obj, const char* what) {
-  TORCH_CHECK_TYPE(
-      PyTuple_Check(obj),
-      "backward_input: ",
-      what,
-      " must be a tuple, but got ",
-      THPUtils_typename(obj));
 }
 
 // NeedsInputGradHooks: the narrowed tuple replaces the Function's own while
@@ -177,48 +143,41 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
           &allow_unused)) {
     return nullptr;
   }
-  check_tuple(outputs, "outputs");
-  check_tuple(grad_outputs, "grad_outputs");
-  check_tuple(inputs, "inputs");
-  check_tuple(weights, "weights");
-  const Py_ssize_t num_outputs = PyTuple_GET_SIZE(outputs);
+  // The request builder checks outputs, gradients and inputs as grad() does.
+  BackwardRequest request = request_from_python(
+      outputs,
+      grad_outputs,
+      inputs,
+      {static_cast<bool>(keep_graph),
+       /*create_graph=*/false,
+       /*accumulate_grad=*/false},
+      allow_unused != 0,
+      /*priorities=*/nullptr);
   TORCH_CHECK(
-      num_outputs == PyTuple_GET_SIZE(grad_outputs),
-      "got ",
-      num_outputs,
-      " outputs and ",
-      PyTuple_GET_SIZE(grad_outputs),
-      " gradients");
-  TORCH_CHECK(num_outputs > 0, "backward_input: outputs cannot be empty");
-
-  edge_list roots;
-  variable_list root_grads;
-  for (Py_ssize_t i = 0; i < num_outputs; ++i) {
-    roots.push_back(root_edge(tensor_at(outputs, i, "outputs"), i));
-    PyObject* grad = PyTuple_GET_ITEM(grad_outputs, i);
-    if (grad == Py_None) {
-      root_grads.emplace_back();
-    } else {
-      root_grads.push_back(tensor_at(grad_outputs, i, "grad_outputs"));
-    }
-  }
-  edge_list input_edges;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(inputs); ++i) {
-    input_edges.push_back(
-        input_edge(tensor_at(inputs, i, "inputs"), /*accumulate_grad=*/false));
-  }
+      !request.roots.empty(), "backward_input: outputs cannot be empty");
+  TORCH_CHECK_TYPE(
+      PyTuple_Check(weights),
+      "backward_input: weights must be a tuple, but got ",
+      THPUtils_typename(weights));
   variable_list weight_tensors;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(weights); ++i) {
-    weight_tensors.push_back(tensor_at(weights, i, "weights"));
+    PyObject* weight = PyTuple_GET_ITEM(weights, i);
+    TORCH_CHECK_TYPE(
+        THPVariable_Check(weight),
+        "backward_input: weights must be tensors, but element ",
+        i,
+        " is ",
+        THPUtils_typename(weight));
+    weight_tensors.push_back(THPVariable_Unpack(weight));
   }
 
   InputPassResult result;
   {
     pybind11::gil_scoped_release no_gil;
     result = backward_input(
-        roots,
-        std::move(root_grads),
-        input_edges,
+        request.roots,
+        std::move(request.root_grads),
+        request.inputs,
         weight_tensors,
         keep_graph != 0,
         allow_unused != 0);

@@ -23,8 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_ext
 
-# The stock C++ engine, as torch.autograd holds it when torch_ext is not enabled.
-STOCK_ENGINE = Variable._execution_engine
+# The stock C++ engine (torch.autograd's until torch_ext is first used).
+STOCK_ENGINE = torch._C._ImperativeEngine()
 
 
 def leaf(*shape):
@@ -1078,18 +1078,29 @@ def test_enabled_runs_loss_backward_on_torch_ext():
     assert (DRIVER, None) not in _profiled_backward_nodes(lambda loss: loss.backward())
 
 
-def test_disable_restores_stock_engine():
-    assert Variable._execution_engine is STOCK_ENGINE and not torch_ext.is_enabled()
+def _ran_on_torch_ext(run) -> bool:
+    with torch_ext.trace() as traced:
+        run()
+    return any(event["kind"] == "backward" for event in traced.events)
+
+
+def test_enable_nests_and_disable_returns_to_stock():
+    def loss_backward():
+        (torch.ones(2, requires_grad=True) * 2).sum().backward()
+
+    assert not torch_ext.is_enabled() and not _ran_on_torch_ext(loss_backward)
     torch_ext.enable()
     torch_ext.enable()
-    assert torch_ext.is_enabled() and Variable._execution_engine is not STOCK_ENGINE
+    assert torch_ext.is_enabled() and _ran_on_torch_ext(loss_backward)
     torch_ext.disable()
-    assert torch_ext.is_enabled()
+    assert torch_ext.is_enabled() and _ran_on_torch_ext(loss_backward)
     torch_ext.disable()
-    assert Variable._execution_engine is STOCK_ENGINE and not torch_ext.is_enabled()
+    assert not torch_ext.is_enabled() and not _ran_on_torch_ext(loss_backward)
+    # torch.autograd's engine stays torch_ext's router, which sends other calls to the engine it replaced.
+    assert type(Variable._execution_engine.replaced) is type(STOCK_ENGINE)
     with pytest.raises(ValueError, match="inside"), torch_ext.enabled():
         raise ValueError("raised inside enabled()")
-    assert Variable._execution_engine is STOCK_ENGINE
+    assert not torch_ext.is_enabled()
     with pytest.raises(RuntimeError, match="without a matching"):
         torch_ext.disable()
 

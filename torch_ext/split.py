@@ -22,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch.autograd.graph import GradientEdge
+from torch.overrides import is_tensor_like
 
-from torch_ext.engine import _C, _compiled_autograd_enabled, _make_root_grads, _roots_to_tuple
+from torch_ext.engine import _C, _compiled_autograd_enabled
 
 SplitState = _C.SplitState
 
@@ -57,8 +59,13 @@ def backward_input(
     """
     if _compiled_autograd_enabled():
         raise RuntimeError("torch_ext.backward_input does not run under compiled autograd")
-    outputs_tuple = _roots_to_tuple(outputs)
-    grads = _make_root_grads(outputs_tuple, grad_outputs, is_grads_batched=False)
+    # torch.autograd's own helpers, so default gradients and their errors are torch.autograd.grad's.
+    outputs_tuple = (outputs,) if is_tensor_like(outputs) or isinstance(outputs, GradientEdge) else tuple(outputs)
+    grads = torch.autograd._make_grads(
+        outputs_tuple,
+        torch.autograd._tensor_or_tensors_to_tuple(grad_outputs, len(outputs_tuple)),
+        is_grads_batched=False,
+    )
     inputs_tuple = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     weights_tuple = (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
     dinputs, state = _C.backward_input(outputs_tuple, grads, inputs_tuple, weights_tuple, retain_graph, allow_unused)
