@@ -240,6 +240,8 @@ def _run_rank(config: Config) -> list[dict]:
         _check_same_gradients(model, inputs)
 
         times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+        # What bit-stable accumulation holds back while the engine runs producers out of stock's order.
+        torch_ext._C._held_gradient_stats(True)
         for rep in range(config.warmup + config.reps):
             # Alternate the variants within each repetition, rotating which goes first, so drift
             # in the machine's load spreads evenly over them.
@@ -248,6 +250,7 @@ def _run_rank(config: Config) -> list[dict]:
                 elapsed = _step(model, inputs, variant, dim)
                 if rep >= config.warmup:
                     times[variant].append(elapsed)
+        held = torch_ext._C._held_gradient_stats(True)
         timelines = _traced_timelines(model, inputs) if config.timeline_png is not None else None
         # Both ranks are past their last collective: a failure here must not leave the other waiting in one.
         dist.barrier()
@@ -261,6 +264,7 @@ def _run_rank(config: Config) -> list[dict]:
             "dense_layers": dense_layers,
             "dim": dim,
             "calibration": {"comm_s": t_comm, "dense_layer_s": t_layer},
+            "held": held,
         }
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
@@ -458,6 +462,14 @@ def report(result: dict, link: str, out: str) -> list[tuple[str, Summary, float,
     for variant, summary, ratio, efficiency in table:
         eff = f"{efficiency:11.2f}" if efficiency is not None else f"{'':>11}"
         print(f"{variant:<20} {summary!s:<32} {ratio:7.2f} {eff}")
+    held = result.get("held")
+    if held is not None:
+        # Gradients that reached a buffer ahead of stock's order wait there for their turn (issue #12).
+        print(
+            f"bit-stable sums (rank 0, every torch_ext backward): {held['ordered_calls']} calls in stock's "
+            f"delivery order, {held['held_gradients']} gradients held back, at most "
+            f"{held['peak_held_bytes'] / 2**10:.1f} KiB at once"
+        )
     print(f"wrote {out}")
     return table
 

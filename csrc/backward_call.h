@@ -31,42 +31,20 @@ struct CallOptions {
 // A buffer for the gradients arriving at `fn` (node_executor.cpp).
 InputBuffer make_input_buffer(Node& fn);
 
-// The two halves of running one node in stock's order (node_executor.cpp),
-// for split backward, which runs a node's pre-hooks once and its apply() in
-// each pass. The first: tensor pre-hooks, retains_grad hooks, node pre-hooks.
-variable_list call_hooks_before_apply(Node& fn, variable_list&& buffered);
-// The second: will_release_variables (unless keep_graph), apply,
-// validate_outputs, post hooks.
-variable_list apply_and_post_hooks(
-    Node& fn,
-    variable_list&& inputs,
-    bool keep_graph);
+class AccumulationBatch;
 
-class BackwardCall;
-
-// A pass of split backward (split_backward.h) takes over three steps of a
-// call: building the plan, seeding it and running each node (what runs, what
-// is kept for the other pass, what is released).
-class SplitPass {
- public:
-  virtual ~SplitPass() = default;
-  // Fills the empty `plan`, in place of discover_graph.
-  virtual void build_plan(
-      GraphPlan& plan,
-      std::unordered_set<Node*>* nodes_in_graph) = 0;
-  // Makes the first nodes ready, in place of BackwardCall::seed_roots.
-  virtual void seed(BackwardCall& call) = 0;
-  // Runs the node in `slot` on its buffered gradients and returns its
-  // outputs, in place of hooks -> apply -> hooks -> release.
-  virtual variable_list run_node(
-      int32_t slot,
-      Node& fn,
-      variable_list&& buffered) = 0;
-  // A node that only captures (not `needed`) ran its tensor pre-hooks and
-  // retains_grad hooks on its gradients, `hooked`, which it captured; it
-  // does not run. A pass whose other half runs the node keeps them.
-  virtual void on_captured_only(int32_t /*slot*/, variable_list&& /*hooked*/) {}
+// Custom Python Functions decide what to compute from ctx.needs_input_grad,
+// fixed when their forward ran, where generated nodes ask the graph task.
+// While a plan with narrows_needs_input_grad runs such a node, the bindings
+// narrow needs_input_grad to the gradients the pass computes
+// (task_should_compute_output), so a Function that honours it computes dW in
+// split backward's weight pass only (pytorch#174017). `narrow` returns a
+// token for `restore`, or null if nothing changed.
+struct NeedsInputGradHooks {
+  void* (*narrow)(Node& fn) = nullptr;
+  void (*restore)(Node& fn, void* token) = nullptr;
 };
+void set_needs_input_grad_hooks(NeedsInputGradHooks hooks);
 
 // The thread's "currently evaluating node" slot of stock's NodeGuard, or null
 // when it cannot be located safely (current_node.cpp). `expected_current` is
@@ -89,11 +67,32 @@ class BackwardCall {
   BackwardCall(const BackwardCall&) = delete;
   BackwardCall& operator=(const BackwardCall&) = delete;
 
-  // Makes this call one pass of split backward; `pass` outlives the call.
-  // `trace_label` names the pass's span in a trace.
-  void set_split_pass(SplitPass* pass, const char* trace_label) {
-    split_ = pass;
-    trace_label_ = trace_label;
+  // Runs `plan` in place of discovering one from the roots: split
+  // backward's passes, which rewrite a discovered plan (split_backward.cpp).
+  // Its root edges are this call's roots.
+  void use_plan(GraphPlan&& plan) {
+    plan_ = std::move(plan);
+    has_plan_ = true;
+  }
+  // Where the plan's kept indices point (NodeSlot::kept): what one pass of
+  // split backward keeps for the next, and the next resumes. Outlives the
+  // call.
+  void set_kept_nodes(std::vector<KeptNode>* kept) {
+    kept_ = kept;
+  }
+  // The weight pass's batch of unobserved accumulations, for a plan with
+  // batches_accumulation; flushed as the host task's first final callback.
+  void set_accumulation_batch(AccumulationBatch* batch) {
+    batch_ = batch;
+  }
+  // The streams the root gradients were produced on, when not the caller's
+  // current ones now (a pass resuming gradients kept since an earlier one).
+  void set_root_streams(std::vector<std::optional<c10::Stream>> streams) {
+    root_streams_ = std::move(streams);
+  }
+  // What the call's span is called in a trace.
+  void set_trace_label(const char* label) {
+    trace_label_ = label;
   }
 
   // Discovers the graph and runs every node that must run, on the calling
@@ -130,30 +129,25 @@ class BackwardCall {
   // (schedule_replay.h).
   std::vector<Node*> planned_order() const;
 
-  // Seeding, for SplitPass::seed: every root, as an ordinary call does;
-  // one gradient along one edge (deliver); a node made ready with its
-  // gradients.
-  void seed_all_roots() {
-    seed_roots();
-  }
-  // `edge`: the delivery's edge id in the plan (GraphPlan's root edges), or
-  // kNoEdge.
-  void seed_gradient(
-      int32_t target,
-      uint32_t input_nr,
-      at::Tensor&& grad,
-      const std::optional<c10::Stream>& producer_stream,
-      int32_t edge) {
-    deliver(target, input_nr, std::move(grad), producer_stream, edge);
-  }
-  void seed_ready(int32_t slot, InputBuffer&& inputs);
-
  private:
-  // Registers the plan with the host graph task so the parts of PyTorch that
-  // read it (task_should_compute_output, _will_engine_execute_node,
-  // register_multi_grad_hook) see the real graph.
-  void publish_plan_to_host_task();
+  // Makes the first nodes ready, as the plan says (GraphPlan::seeds_roots,
+  // resumes_kept_nodes).
+  void seed();
   void seed_roots();
+  // The one node policy: does what the plan's NodeAction says with the node
+  // in `slot` on its gradients, and returns the outputs to deliver, or
+  // nullopt when apply() did not run (a node that only captures).
+  std::optional<variable_list> run_node_action(
+      int32_t slot,
+      variable_list&& buffered,
+      const std::optional<c10::Stream>& node_stream);
+  // kRunAndKeep: runs the node and keeps what the later pass needs.
+  variable_list run_and_keep(int32_t slot, variable_list&& buffered);
+  // Hands the gradients `seen` of the node in `slot` to its captures.
+  void capture(
+      int32_t slot,
+      const variable_list& seen,
+      const std::optional<c10::Stream>& node_stream);
   // Executes one ready node (node_executor.cpp).
   // `kTraced`: record it in trace_. Two instantiations, so that a call that
   // is not traced runs exactly the code it ran before tracing existed.
@@ -251,8 +245,11 @@ class BackwardCall {
   // The host graph task's node set: identifies the host task while it is
   // current (a backward nested inside a node makes its own task current).
   const std::unordered_set<Node*>* host_nodes_in_graph_ = nullptr;
+  // Whether plan_ was given (use_plan) rather than discovered by run().
+  bool has_plan_ = false;
   // Set for the passes of split backward only.
-  SplitPass* split_ = nullptr;
+  std::vector<KeptNode>* kept_ = nullptr;
+  AccumulationBatch* batch_ = nullptr;
   // What the call's span is called in a trace.
   const char* trace_label_ = nullptr;
   // Non-null only while tracing was on when the call started: the executor's
@@ -275,5 +272,13 @@ HeldGradientStats held_gradient_stats(bool reset);
 // Runs `call` inside one stock graph task (host_task.cpp). `filtered`: only a
 // subset of nodes runs (the host's exec_info must be non-empty).
 void run_in_host_task(BackwardCall& call, bool keep_graph, bool filtered);
+
+// Registers `plan` with the current (host) graph task, so the parts of
+// PyTorch that read it (task_should_compute_output,
+// _will_engine_execute_node, register_multi_grad_hook) see the real graph:
+// every node reached goes into its nodes_in_graph, and, for a filtered plan,
+// every node that runs or captures into its exec_info. The one place
+// torch_ext writes a GraphTask's internals (host_task.cpp).
+void publish_plan_to_host_task(const GraphPlan& plan);
 
 } // namespace torch_ext

@@ -6,6 +6,7 @@
 #include <ATen/LegacyBatchedTensorImpl.h>
 #include <ATen/LegacyVmapMode.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -70,10 +71,10 @@ class RequestBuilder {
     if (const auto* tensor = std::get_if<at::Tensor>(&root)) {
       check_not_batched(*tensor, /*is_root=*/true, i);
       last_root_tensor_ = *tensor;
-      request_.roots.push_back(root_edge(*tensor, i));
-      return;
+      request_.roots.push_back(torch::autograd::impl::gradient_edge(*tensor));
+    } else {
+      request_.roots.push_back(std::get<Edge>(root));
     }
-    request_.roots.push_back(std::get<Edge>(root));
     TORCH_CHECK(
         request_.roots.back().function,
         "element ",
@@ -333,6 +334,26 @@ variable_list run(BackwardRequest request) {
     }
   }
   return results;
+}
+
+Edge input_edge(const at::Tensor& input, bool accumulate_grad) {
+  auto grad_fn = input.grad_fn();
+  if (!grad_fn) {
+    grad_fn = torch::autograd::impl::try_get_grad_accumulator(input);
+  }
+  if (accumulate_grad) {
+    input.retain_grad();
+  }
+  TORCH_CHECK(
+      input.requires_grad(),
+      "One of the differentiated Tensors does not require grad");
+  if (!grad_fn) {
+    // NOTE [ Autograd Unreachable Input ] (stock): an edge to a node of its
+    // own, so that edges to nullptr in the graph (e.g. mul by a scalar) are
+    // not taken for this input.
+    return Edge(c10::make_intrusive<torch::autograd::Identity>(), 0);
+  }
+  return Edge(std::move(grad_fn), input.output_nr());
 }
 
 } // namespace torch_ext

@@ -59,6 +59,12 @@ std::vector<PriorityOverride> parse_priority_overrides(PyObject* overrides);
 // The edges of a tuple of torch.autograd.graph.GradientEdges.
 edge_list gradient_edges_from_python(PyObject* tuple);
 
+// The edge whose gradient grad()/backward(inputs=) is asked for, as stock's
+// run_backward resolves a tensor input: its grad_fn, or its AccumulateGrad if
+// it is a leaf, or an edge to a fresh node when it has neither (unreachable).
+// backward(inputs=) also retains the gradient of a non-leaf input.
+Edge input_edge(const at::Tensor& input, bool accumulate_grad);
+
 // A tuple of the tensors (None for an undefined one).
 PyObject* wrap_tensors(const variable_list& tensors);
 

@@ -28,17 +28,3 @@ using AnomalyMetadataCopier = void (*)(Node& from, Node& to);
 void set_anomaly_metadata_copier(AnomalyMetadataCopier copier);
 
 } // namespace torch_ext
-
-namespace torch_ext {
-
-// The edge backward starts from for root tensor `index` of a call, with
-// stock's error when it has none.
-Edge root_edge(const at::Tensor& root, size_t index);
-
-// The edge whose gradient grad()/backward(inputs=) is asked for, as stock's
-// run_backward resolves a tensor input: its grad_fn, or its AccumulateGrad if
-// it is a leaf, or an edge to a fresh node when it has neither (unreachable).
-// backward(inputs=) also retains the gradient of a non-leaf input.
-Edge input_edge(const at::Tensor& input, bool accumulate_grad);
-
-} // namespace torch_ext

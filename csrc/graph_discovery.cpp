@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <unordered_set>
 
 namespace torch_ext {
 namespace {
@@ -291,7 +290,6 @@ void discover_graph(
     const edge_list& inputs,
     bool accumulate_grad,
     const CallPriorities& priorities,
-    std::unordered_set<Node*>* nodes_in_graph,
     const edge_list* also_expand_to) {
   TORCH_INTERNAL_ASSERT(plan.slots.empty(), "discover_graph needs an empty plan");
   PlanBuilder builder(plan);
@@ -314,16 +312,6 @@ void discover_graph(
     min_topo_nr = inputs.empty() ? also : std::min(min_topo_nr, also);
   }
   builder.expand_all(min_topo_nr);
-  if (nodes_in_graph != nullptr) {
-    // Every node with an incoming edge, as stock's compute_dependencies
-    // records it; a single root has none. Reserving first avoids rehashing a
-    // node-based set ~log2(n) times while it grows.
-    nodes_in_graph->reserve(nodes_in_graph->size() + plan.slots.size());
-    for (size_t i = single_root ? 1 : 0; i < plan.slots.size(); ++i) {
-      nodes_in_graph->insert(plan.slots[i].fn);
-    }
-  }
-
   const bool auto_collective =
       plan.has_collectives && auto_collective_priority();
   if (!priorities.empty() || auto_collective) {
@@ -366,6 +354,9 @@ void discover_graph(
   plan.captures = std::move(captures);
 
   mark_needed(plan, single_root ? plan.root_targets[0] : kNoSlot, min_topo_nr);
+  for (auto& slot : plan.slots) {
+    slot.action = slot.needed ? NodeAction::kRun : NodeAction::kCaptureOnly;
+  }
 }
 
 } // namespace torch_ext

@@ -21,7 +21,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <unordered_set>
 #include <vector>
 
 namespace torch_ext {
@@ -37,6 +36,44 @@ inline constexpr int32_t kNoSlot = -1;
 // A delivery that is no edge of the plan (split backward's seeds); it is
 // added on arrival.
 inline constexpr int32_t kNoEdge = -1;
+
+// What the executor does with a node when it becomes ready: the one node
+// policy, as plan data. Discovery gives every node kRun or kCaptureOnly;
+// split backward's passes (split_backward.cpp) rewrite the plan with the
+// others. Only kRun exists in stock's engine (with kCaptureOnly its
+// "captured but not needed" case).
+enum class NodeAction : uint8_t {
+  // Stock's call_function: tensor pre-hooks, retains_grad hooks, node
+  // pre-hooks, apply, post hooks; then its saved variables are released
+  // unless the graph is kept.
+  kRun,
+  // Not needed, only captured (grad()): its tensor pre-hooks and retains_grad
+  // hooks run on its gradients, which are captured; apply() does not run.
+  kCaptureOnly,
+  // kCaptureOnly, then its node pre-hooks run and the gradients are kept
+  // (KeptNode::inputs) for a later pass, which runs only its apply().
+  kCaptureAndKeep,
+  // Runs like kRun, but the gradients after its pre-hooks are kept and its
+  // saved variables stay: a later pass runs apply() again for its edges
+  // marked GraphPlan::later_pass_edge, whose gradients it does not deliver
+  // now. If apply() already produced every one of them, those are kept
+  // (KeptNode::outputs) instead, and the node is released now.
+  kRunAndKeep,
+  // Resumes what an earlier pass kept: delivers the kept outputs, or runs
+  // apply() and the post hooks on the kept gradients (its pre-hooks ran in
+  // that pass), then releases unless the graph is kept.
+  kResumeKept,
+};
+
+// What a pass of split backward keeps of one node for the next pass: at most
+// one of the two is set once the pass has run (or captured at) the node.
+struct KeptNode {
+  // Its gradients after the hooks that run before apply().
+  std::optional<variable_list> inputs;
+  // Or the outputs it already produced for the later pass's edges
+  // (undefined at the other positions).
+  std::optional<variable_list> outputs;
+};
 
 // One node reachable from the roots.
 struct NodeSlot {
@@ -68,6 +105,14 @@ struct NodeSlot {
   // Index into GraphPlan::captures of the first capture on this node, or
   // kNoSlot. Captures of one node are contiguous.
   int32_t first_capture = kNoSlot;
+  NodeAction action = NodeAction::kRun;
+  // Index of what a split pass keeps of this node (BackwardCall's kept
+  // nodes), or kNoSlot.
+  int32_t kept = kNoSlot;
+  // Left out of the host task's exec_info although it runs: its gradients
+  // came complete from an earlier pass, and no node may recompute them
+  // (task_should_compute_output); split backward's captured nodes of W.
+  bool hidden_from_host = false;
   // Gradients delivered so far; created by the first delivery (stock's
   // not_ready_ entry).
   std::optional<InputBuffer> inputs;
@@ -117,6 +162,19 @@ struct GraphPlan {
   // Stock makes a single root the graph root itself (no incoming edge).
   bool single_root = false;
 
+  // How the call starts (split backward's passes change it): deliver the
+  // root gradients along the root edges, then make every node with a kept
+  // index ready (a pass resuming an earlier one), in slot order.
+  bool seeds_roots = true;
+  bool resumes_kept_nodes = false;
+  // Indexed by edge id (below): the edge's gradient is the later pass's
+  // (a kRunAndKeep node keeps it, or its inputs to compute it again), not
+  // delivered now. Empty when no edge is.
+  std::vector<char> later_pass_edge;
+  // Custom Python Functions run with ctx.needs_input_grad narrowed to the
+  // gradients this pass computes (split_backward.h).
+  bool narrows_needs_input_grad = false;
+
   // Bit-stable accumulation (DESIGN.md, "Bits under any order"), filled by
   // order_deliveries_as_stock (schedule_replay.h) for a call that may run
   // producers out of stock's order. Indexed by edge id: slot s's i-th next
@@ -147,9 +205,6 @@ struct GraphPlan {
 //
 // `priorities` gives each slot its effective priority (GraphPlan::priority).
 //
-// `nodes_in_graph`, when given, receives every node reached, as stock's
-// compute_dependencies fills GraphTask::nodes_in_graph_.
-//
 // `also_expand_to`, when given, lists edges besides `inputs` whose paths from
 // the roots must be in the plan (split backward's weights): nodes older than
 // every input are expanded all the same if they may lead to one of them.
@@ -159,7 +214,6 @@ void discover_graph(
     const edge_list& inputs,
     bool accumulate_grad,
     const CallPriorities& priorities,
-    std::unordered_set<Node*>* nodes_in_graph,
     const edge_list* also_expand_to = nullptr);
 
 } // namespace torch_ext

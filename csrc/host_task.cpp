@@ -10,21 +10,15 @@
 // pattern".
 
 #include "engine_api.h"
-#include "schedule_replay.h"
 
-#include <ATen/DeviceAccelerator.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/SequenceNumber.h>
-#include <ATen/core/grad_mode.h>
-#include <c10/core/Event.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
-#include <torch/csrc/autograd/input_metadata.h>
+#include <torch/headeronly/version.h>
 
 #include <limits>
-#include <mutex>
 
 namespace torch_ext {
 namespace {
@@ -86,78 +80,52 @@ class BackwardDriver final : public torch::autograd::Node {
   std::string failed_node_name_;
 };
 
-// Stock GraphTask::stash_current_streams: the caller's current stream on
-// every device that already has a context.
-std::vector<c10::Stream> current_accelerator_streams() {
-  std::vector<c10::Stream> streams;
-  const auto accelerator = at::accelerator::getAccelerator(/*checked=*/false);
-  if (!accelerator.has_value()) {
-    return streams;
-  }
-  const c10::impl::VirtualGuardImpl guard{*accelerator};
-  const auto num_devices = guard.deviceCount();
-  for (c10::DeviceIndex index = 0; index < num_devices; ++index) {
-    if (at::globalContext().getAcceleratorHooksInterface().hasPrimaryContext(
-            index)) {
-      streams.push_back(guard.getStream({*accelerator, index}));
-    }
-  }
-  return streams;
-}
-
-std::optional<c10::Stream> producer_stream_of(const at::Tensor& grad) {
-  if (!grad.defined()) {
-    return std::nullopt;
-  }
-  return torch::autograd::InputMetadata(grad).stream();
-}
-
 } // namespace
 
 void set_anomaly_metadata_copier(AnomalyMetadataCopier copier) {
   anomaly_metadata_copier = copier;
 }
 
-BackwardCall::BackwardCall(
-    edge_list roots,
-    variable_list root_grads,
-    edge_list inputs,
-    CallOptions options,
-    std::vector<PriorityOverride> priority_overrides)
-    : roots_(std::move(roots)),
-      root_grads_(std::move(root_grads)),
-      inputs_(std::move(inputs)),
-      options_(options),
-      priorities_(std::move(priority_overrides)),
-      // Read here, on the caller's thread: past stock's reentrant depth
-      // limit the host task runs the driver on a pool thread, whose current
-      // streams are not the caller's.
-      caller_streams_(current_accelerator_streams()) {
-  if (!options_.accumulate_grad) {
-    captured_.resize(inputs_.size());
+void publish_plan_to_host_task(const GraphPlan& plan) {
+  // GraphTask's fields are not API: exec_info_ and nodes_in_graph_ are
+  // written here as torch 2.13's engine.cpp and graph_task.h use them. Check
+  // both (and task_should_compute_output, _will_engine_execute_node) before
+  // moving to another version.
+  static_assert(
+      TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13,
+      "publish_plan_to_host_task writes GraphTask internals as torch 2.13 "
+      "lays them out");
+  // Every node with an incoming edge, as stock's compute_dependencies
+  // records it; a single root has none. This is safe because every node
+  // runs on this thread. Reserving first avoids rehashing a node-based set
+  // ~log2(n) times while it grows.
+  auto* nodes_in_graph = const_cast<std::unordered_set<Node*>*>(
+      torch::autograd::get_current_graph_task_nodes_in_graph());
+  TORCH_INTERNAL_ASSERT(
+      nodes_in_graph != nullptr,
+      "torch_ext's engine ran outside its host graph task");
+  const int32_t single_root = plan.single_root ? plan.root_targets[0] : kNoSlot;
+  nodes_in_graph->reserve(nodes_in_graph->size() + plan.slots.size());
+  for (size_t i = 0; i < plan.slots.size(); ++i) {
+    if (static_cast<int32_t>(i) != single_root) {
+      nodes_in_graph->insert(plan.slots[i].fn);
+    }
   }
-  root_streams_.reserve(root_grads_.size());
-  for (const auto& grad : root_grads_) {
-    root_streams_.push_back(producer_stream_of(grad));
-  }
-}
-
-void BackwardCall::publish_plan_to_host_task() {
-  if (!plan_.filtered) {
+  if (!plan.filtered) {
     return;
   }
   // The host task was given one output (the driver) so that its exec_info is
   // not empty; generated nodes consult it through task_should_compute_output
   // to skip gradients nobody asked for (MmBackward computing dW in grad(x)).
   // Every node that runs or captures must be in it, or its gradient is
-  // silently dropped. This is safe because every node runs on this thread.
+  // silently dropped.
   auto* exec_info =
       const_cast<std::unordered_map<Node*, GraphTask::ExecInfo>*>(
           torch::autograd::get_current_graph_task_exec_info());
   TORCH_INTERNAL_ASSERT(exec_info != nullptr && !exec_info->empty());
-  for (size_t i = 0; i < plan_.slots.size(); ++i) {
-    const NodeSlot& slot = plan_.slots[i];
-    if (!slot.should_execute()) {
+  for (size_t i = 0; i < plan.slots.size(); ++i) {
+    const NodeSlot& slot = plan.slots[i];
+    if (!slot.should_execute() || slot.hidden_from_host) {
       continue;
     }
     auto& info = (*exec_info)[slot.fn];
@@ -165,166 +133,12 @@ void BackwardCall::publish_plan_to_host_task() {
     if (slot.first_capture != kNoSlot) {
       info.captures_ =
           std::make_unique<std::vector<GraphTask::ExecInfo::Capture>>();
-      for (size_t c = slot.first_capture; c < plan_.captures.size() &&
-           plan_.captures[c].slot == static_cast<int32_t>(i);
+      for (size_t c = slot.first_capture; c < plan.captures.size() &&
+           plan.captures[c].slot == static_cast<int32_t>(i);
            ++c) {
         info.captures_->emplace_back(
-            plan_.captures[c].input_nr, plan_.captures[c].output_index);
+            plan.captures[c].input_nr, plan.captures[c].output_index);
       }
-    }
-  }
-}
-
-void BackwardCall::seed_roots() {
-  if (roots_.size() == 1) {
-    // Stock makes a single root the graph root and runs it whether or not
-    // grad()/inputs= needs it (it then runs only its tensor pre-hooks).
-    NodeSlot& root = plan_.slots[plan_.root_targets[0]];
-    root.pending_edges = 1;
-    root.inputs.emplace(make_input_buffer(*root.fn));
-  }
-  // Several roots: stock's GraphRoot delivers each gradient along its root
-  // edge, in order, like any node's outputs.
-  const auto first_root_edge = static_cast<int32_t>(plan_.edge_targets.size());
-  for (size_t i = 0; i < roots_.size(); ++i) {
-    deliver(
-        plan_.root_targets[i],
-        roots_[i].input_nr,
-        std::move(root_grads_[i]),
-        root_streams_[i],
-        first_root_edge + static_cast<int32_t>(i));
-  }
-}
-
-void BackwardCall::seed_ready(int32_t slot, InputBuffer&& inputs) {
-  plan_.slots[slot].inputs.emplace(std::move(inputs));
-  ready_.push(ready_key(slot));
-}
-
-void BackwardCall::run(Node* host_node) {
-  if (trace::enabled()) {
-    const char* label = trace_label_ != nullptr ? trace_label_
-        : options_.accumulate_grad              ? "backward"
-                                                : "grad";
-    trace_ = std::make_unique<trace::CallTrace>(label);
-    plan_.record_priority_sources = true;
-  }
-  // The call's span ends, and its events go to the recorder, however run()
-  // exits.
-  struct FinishTrace {
-    trace::CallTrace* trace;
-    ~FinishTrace() {
-      if (trace != nullptr) {
-        trace->finish();
-      }
-    }
-  } finish_trace{trace_.get()};
-  current_node_slot_ = current_node_slot(host_node);
-  auto* host_nodes_in_graph = const_cast<std::unordered_set<Node*>*>(
-      torch::autograd::get_current_graph_task_nodes_in_graph());
-  TORCH_INTERNAL_ASSERT(
-      host_nodes_in_graph != nullptr,
-      "torch_ext's engine ran outside its host graph task");
-  host_nodes_in_graph_ = host_nodes_in_graph;
-  // Filling the host's nodes_in_graph makes _will_engine_execute_node and
-  // register_multi_grad_hook(mode="all") see the real graph.
-  if (split_ != nullptr) {
-    split_->build_plan(plan_, host_nodes_in_graph);
-  } else {
-    discover_graph(
-        plan_,
-        roots_,
-        inputs_,
-        options_.accumulate_grad,
-        priorities_,
-        host_nodes_in_graph);
-  }
-  if (!plan_.stock_order_known &&
-      (!plan_.priority.empty() || plan_.has_collectives)) {
-    // Priorities and deferred collective waits run nodes out of stock's
-    // order; the sums must not notice.
-    order_deliveries_as_stock(plan_, /*every_slot_runs=*/false);
-  }
-  ordered_inputs_.resize(plan_.num_ordered_inputs);
-  publish_plan_to_host_task();
-  // Gradients are accumulated (InputBuffer) and nodes run with grad mode
-  // equal to create_graph, as under stock's per-task thread-local state.
-  c10::GradMode::set_enabled(options_.create_graph);
-  task_autograd_state_ = c10::AutogradState::get_tls_state();
-  task_dispatch_keys_ = c10::impl::tls_local_dispatch_key_set();
-
-  int32_t running = kNoSlot;
-  try {
-    if (split_ != nullptr) {
-      split_->seed(*this);
-    } else {
-      seed_roots();
-    }
-    // One loop for both: with a loop per variant GCC stopped inlining the
-    // queue's pop (callgrind: +10 instructions per node untraced).
-    const bool traced = trace_ != nullptr;
-    while (!ready_.empty()) {
-      running = ready_.pop();
-      if (traced) {
-        execute_node</*kTraced=*/true>(running);
-      } else {
-        execute_node</*kTraced=*/false>(running);
-      }
-    }
-    // Collective results no node read (dropped, or delivered to nodes that
-    // do not run) still complete before backward returns. A failure here is
-    // no node's.
-    running = kNoSlot;
-    wait_pending(kNoSlot);
-  } catch (...) {
-    if (running != kNoSlot) {
-      failed_node_ = plan_.slots[running].fn;
-    }
-    wait_pending_after_error();
-    record_held_gradients();
-    throw;
-  }
-  record_held_gradients();
-  sync_leaf_streams_with_caller();
-}
-
-namespace {
-std::mutex held_stats_mutex;
-HeldGradientStats held_stats;
-} // namespace
-
-void BackwardCall::record_held_gradients() const {
-  if (!plan_.stock_order_known) {
-    return;
-  }
-  std::lock_guard<std::mutex> lock(held_stats_mutex);
-  held_stats.ordered_calls += 1;
-  held_stats.held_gradients += held_count_;
-  held_stats.peak_held_bytes =
-      std::max(held_stats.peak_held_bytes, peak_held_bytes_);
-}
-
-HeldGradientStats held_gradient_stats(bool reset) {
-  std::lock_guard<std::mutex> lock(held_stats_mutex);
-  const HeldGradientStats stats = held_stats;
-  if (reset) {
-    held_stats = HeldGradientStats{};
-  }
-  return stats;
-}
-
-void BackwardCall::sync_leaf_streams_with_caller() {
-  // Stock GraphTask::exec_post_processing: the caller may read .grad and the
-  // returned gradients on its own streams as soon as backward returns.
-  for (const auto& leaf_stream : leaf_streams_) {
-    for (const auto& caller_stream : caller_streams_) {
-      if (caller_stream.device() != leaf_stream.device() ||
-          caller_stream == leaf_stream) {
-        continue;
-      }
-      c10::Event event{leaf_stream.device_type()};
-      event.record(leaf_stream);
-      caller_stream.wait(event);
     }
   }
 }

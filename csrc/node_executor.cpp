@@ -5,11 +5,10 @@
 // (Engine::evaluate_function and call_function in engine.cpp.)
 
 #include "backward_call.h"
-#include "schedule_replay.h"
+#include "batched_accumulation.h"
+#include "running_node.h"
 
 #include <ATen/DeviceAccelerator.h>
-#include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/_is_any_true.h>
 #include <ATen/ops/isnan.h>
@@ -62,8 +61,6 @@ variable_list call_post_hooks(
   return outputs;
 }
 
-} // namespace
-
 variable_list call_hooks_before_apply(Node& fn, variable_list&& buffered) {
   return call_pre_hooks(fn, call_tensor_pre_hooks(fn, std::move(buffered)));
 }
@@ -94,8 +91,6 @@ variable_list apply_and_post_hooks(
       });
   return call_post_hooks(fn, std::move(outputs), inputs, has_post_hooks);
 }
-
-namespace {
 
 variable_list call_function(Node& fn, variable_list&& buffered, bool keep_graph) {
   return apply_and_post_hooks(
@@ -170,13 +165,6 @@ class CurrentNodeGuard {
   c10::intrusive_ptr<Node> previous_;
 };
 
-// The node this thread is running for a torch_ext call, while its apply()
-// runs: where a collective's backward formula may hand its in-flight result
-// to the engine (BackwardCall::defer_wait_to_first_use).
-struct RunningNode {
-  BackwardCall* call;
-  Node* node;
-};
 thread_local const RunningNode* running_node = nullptr;
 
 class RunningNodeScope {
@@ -193,17 +181,30 @@ class RunningNodeScope {
   const RunningNode* previous_;
 };
 
-// Waits on a collective result the way its op's own formula would have:
-// _c10d_functional::wait_tensor (blocks for gloo; on CUDA, makes the current
-// stream wait for the collective's). Below autograd, so no node is recorded.
-void wait_collective_result(const at::Tensor& result) {
-  static const auto wait_tensor =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("_c10d_functional::wait_tensor", "")
-          .typed<at::Tensor(const at::Tensor&)>();
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  wait_tensor.call(result);
-}
+NeedsInputGradHooks needs_input_grad_hooks;
+
+// ctx.needs_input_grad of a custom Python Function, narrowed for the pass
+// while the node runs (GraphPlan::narrows_needs_input_grad).
+class NarrowedNeedsInputGrad {
+ public:
+  NarrowedNeedsInputGrad(Node& fn, bool narrow)
+      : fn_(fn),
+        token_(
+            narrow && needs_input_grad_hooks.narrow != nullptr
+                ? needs_input_grad_hooks.narrow(fn)
+                : nullptr) {}
+  ~NarrowedNeedsInputGrad() {
+    if (token_ != nullptr) {
+      needs_input_grad_hooks.restore(fn_, token_);
+    }
+  }
+  NarrowedNeedsInputGrad(const NarrowedNeedsInputGrad&) = delete;
+  NarrowedNeedsInputGrad& operator=(const NarrowedNeedsInputGrad&) = delete;
+
+ private:
+  Node& fn_;
+  void* token_;
+};
 
 // Starts the traced span of the node in `index`: its name, sequence_nr,
 // effective priority and where that came from.
@@ -240,23 +241,12 @@ int32_t begin_node_event(
 
 } // namespace
 
-void BackwardCall::wait_traced(
-    const PendingWait& pending,
-    int32_t consumer,
-    const char* why) {
-  if (trace_ == nullptr) {
-    wait_collective_result(pending.result);
-    return;
-  }
-  Node* reader = consumer == kNoSlot ? nullptr : plan_.slots[consumer].fn;
-  const int32_t index = trace_->begin(
-      trace::Kind::kCollectiveWait,
-      reader != nullptr ? reader->name() : std::string(why),
-      reader != nullptr ? trace::traced_sequence_nr(reader->sequence_nr())
-                        : -1);
-  trace_->event(index).wait_for = pending.launch_event;
-  trace::EndOnExit end_wait(trace_.get(), index);
-  wait_collective_result(pending.result);
+const RunningNode* running_node_now() {
+  return running_node;
+}
+
+void set_needs_input_grad_hooks(NeedsInputGradHooks hooks) {
+  needs_input_grad_hooks = hooks;
 }
 
 const BackwardCall* BackwardCall::running_call() {
@@ -267,108 +257,6 @@ const BackwardCall* BackwardCall::running_call() {
     return nullptr;
   }
   return running->call;
-}
-
-std::vector<Node*> BackwardCall::planned_order() const {
-  return planned_run_order(plan_);
-}
-
-bool BackwardCall::defer_wait_to_first_use(const at::Tensor& result) {
-  const RunningNode* running = running_node;
-  if (running == nullptr || !result.defined()) {
-    return false;
-  }
-  // A backward nested inside the node (stock's engine, reentrant
-  // checkpoint) makes its own graph task current, and its nodes' outputs do
-  // not go through this call's deliver(): only the node torch_ext runs right
-  // now, under its host task, may defer. (Portable: no current-node slot.)
-  if (torch::autograd::get_current_graph_task_nodes_in_graph() !=
-      running->call->host_nodes_in_graph_) {
-    return false;
-  }
-  // Fake and functional tensors (torch.compile tracing the formula) are not
-  // in flight; post hooks would read the result before any wait.
-  constexpr c10::DispatchKeySet kTracing(
-      {c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
-  if (result.key_set().has_any(kTracing) ||
-      !running->node->post_hooks().empty()) {
-    return false;
-  }
-  // Anomaly mode checks a node's outputs for NaN as soon as it returns, and
-  // a result still in flight cannot be read.
-  if (AnomalyMode::is_enabled() && AnomalyMode::should_check_nan()) {
-    return false;
-  }
-  BackwardCall& call = *running->call;
-  if (!call.plan_.stock_order_known) {
-    // Waiting later reorders the nodes after it; without stock's delivery
-    // order the sums they feed could change. (Every node the engine
-    // recognises as a collective has it; see schedule_replay.h.)
-    return false;
-  }
-  const int32_t launch_event = call.running_node_event_;
-  if (call.trace_ != nullptr && launch_event != trace::kNoEvent) {
-    call.trace_->event(launch_event).collective = true;
-  }
-  call.pending_waits_.push_back({result, kNoSlot, launch_event});
-  return true;
-}
-
-void BackwardCall::note_pending_delivery(
-    int32_t target,
-    const at::Tensor& grad) {
-  for (auto& pending : pending_waits_) {
-    if (pending.slot == kNoSlot && pending.result.is_same(grad)) {
-      pending.slot = target;
-      plan_.slots[target].has_pending_wait = true;
-    }
-  }
-}
-
-void BackwardCall::wait_pending(int32_t slot) {
-  // Erase first, then wait: a failing wait must not be retried by the error
-  // path.
-  std::vector<PendingWait> ready;
-  auto it = pending_waits_.begin();
-  while (it != pending_waits_.end()) {
-    if (slot == kNoSlot || it->slot == slot) {
-      ready.push_back(std::move(*it));
-      it = pending_waits_.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  if (slot != kNoSlot) {
-    plan_.slots[slot].has_pending_wait = false;
-  }
-  for (size_t i = 0; i < ready.size(); ++i) {
-    try {
-      wait_traced(ready[i], slot, "end of backward");
-    } catch (...) {
-      // The rest go back, for wait_pending_after_error to complete.
-      for (size_t rest = i + 1; rest < ready.size(); ++rest) {
-        pending_waits_.push_back(std::move(ready[rest]));
-      }
-      throw;
-    }
-  }
-}
-
-void BackwardCall::wait_pending_after_error() noexcept {
-  // Every launched collective must still complete, or its output buffer and
-  // work stay registered with c10d and the ranks fall out of step.
-  while (!pending_waits_.empty()) {
-    const PendingWait pending = std::move(pending_waits_.back());
-    pending_waits_.pop_back();
-    try {
-      wait_traced(pending, kNoSlot, "error");
-    } catch (const std::exception& e) {
-      TORCH_WARN(
-          "torch_ext: waiting on a collective launched before a backward "
-          "error failed: ",
-          e.what());
-    }
-  }
 }
 
 // InputBuffer(n) also sizes three per-input stream/event vectors that only
@@ -474,6 +362,153 @@ void BackwardCall::deliver(
   }
 }
 
+void BackwardCall::capture(
+    int32_t index,
+    const variable_list& seen,
+    const std::optional<c10::Stream>& node_stream) {
+  for (size_t c = plan_.slots[index].first_capture;
+       c < plan_.captures.size() && plan_.captures[c].slot == index;
+       ++c) {
+    const Capture& capture = plan_.captures[c];
+    captured_[capture.output_index] = seen[capture.input_nr];
+    if (node_stream) {
+      leaf_streams_.insert(*node_stream);
+    }
+  }
+}
+
+std::optional<variable_list> BackwardCall::run_node_action(
+    int32_t index,
+    variable_list&& buffered,
+    const std::optional<c10::Stream>& node_stream) {
+  NodeSlot& slot = plan_.slots[index];
+  Node& fn = *slot.fn;
+  const bool keep_graph = options_.keep_graph;
+  if (slot.action == NodeAction::kCaptureOnly ||
+      slot.action == NodeAction::kCaptureAndKeep) {
+    // Captured but not run: its tensor pre-hooks still see the gradient
+    // (stock NOTE [Hooks ordering]).
+    variable_list hooked = call_tensor_pre_hooks(fn, std::move(buffered));
+    capture(index, hooked, node_stream);
+    if (slot.action == NodeAction::kCaptureAndKeep) {
+      // Its node pre-hooks run now, and the later pass runs only apply():
+      // every hook runs once across the passes.
+      (*kept_)[slot.kept].inputs = call_pre_hooks(fn, std::move(hooked));
+    }
+    return std::nullopt;
+  }
+  if (slot.first_capture != kNoSlot) {
+    // Needed and captured: the capture sees the gradient before its hooks,
+    // which run in call_function.
+    capture(index, buffered, node_stream);
+  }
+  if (batch_ != nullptr && AccumulationBatch::has_hooks(fn)) {
+    // A hook may read a weight's .grad that the batch holds back.
+    batch_->flush();
+  }
+  // A collective's backward formula may hand its in-flight result to this
+  // call (defer_wait_to_first_use) while the node runs.
+  const RunningNode running{this, &fn};
+  RunningNodeScope running_scope(running);
+  switch (slot.action) {
+    case NodeAction::kRun: {
+      if (batch_ != nullptr && batch_->try_take(fn, buffered)) {
+        return variable_list(); // what an AccumulateGrad returns
+      }
+      NarrowedNeedsInputGrad narrowed(fn, plan_.narrows_needs_input_grad);
+      variable_list outputs =
+          call_function(fn, std::move(buffered), keep_graph);
+      if (!keep_graph) {
+        fn.release_variables();
+      }
+      return outputs;
+    }
+    case NodeAction::kRunAndKeep:
+      return run_and_keep(index, std::move(buffered));
+    case NodeAction::kResumeKept: {
+      KeptNode& kept = (*kept_)[slot.kept];
+      if (kept.outputs.has_value()) {
+        variable_list outputs = std::move(*kept.outputs);
+        kept.outputs.reset();
+        return outputs;
+      }
+      // Its pre-hooks ran in the earlier pass, on these same gradients.
+      TORCH_INTERNAL_ASSERT(kept.inputs.has_value());
+      variable_list inputs = std::move(*kept.inputs);
+      kept.inputs.reset();
+      NarrowedNeedsInputGrad narrowed(fn, plan_.narrows_needs_input_grad);
+      variable_list outputs =
+          apply_and_post_hooks(fn, std::move(inputs), keep_graph);
+      if (!keep_graph) {
+        fn.release_variables();
+      }
+      return outputs;
+    }
+    case NodeAction::kCaptureOnly:
+    case NodeAction::kCaptureAndKeep:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unhandled node action");
+}
+
+variable_list BackwardCall::run_and_keep(
+    int32_t index,
+    variable_list&& buffered) {
+  const NodeSlot& slot = plan_.slots[index];
+  Node& fn = *slot.fn;
+  KeptNode& kept = (*kept_)[slot.kept];
+  // Its pre-hooks run once, here; the later pass may run apply() again on
+  // the same gradients, so its saved variables stay.
+  variable_list inputs = call_hooks_before_apply(fn, std::move(buffered));
+  variable_list inputs_for_later_pass = inputs;
+  variable_list outputs;
+  {
+    NarrowedNeedsInputGrad narrowed(fn, plan_.narrows_needs_input_grad);
+    outputs = apply_and_post_hooks(fn, std::move(inputs), /*keep_graph=*/true);
+  }
+  auto for_later_pass = [&](size_t i) {
+    return plan_.later_pass_edge[slot.first_edge + i] != 0;
+  };
+  // A gradient into a node that only captures for the later pass is
+  // delivered now, but is the later pass's work all the same.
+  auto later_side = [&](size_t i) {
+    const int32_t target = plan_.target_of(index, i);
+    return for_later_pass(i) ||
+        (target != kNoSlot &&
+         plan_.slots[target].action == NodeAction::kCaptureAndKeep);
+  };
+  bool later_side_complete = true;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (later_side(i) && !outputs[i].defined()) {
+      later_side_complete = false;
+    }
+  }
+  if (later_side_complete) {
+    // It computed the later pass's gradients already (a custom Function
+    // that ignores what it is asked for, pytorch#174017): keep them, and the
+    // later pass does not run it again.
+    variable_list kept_outputs(outputs.size());
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (for_later_pass(i)) {
+        kept_outputs[i] = std::move(outputs[i]);
+      }
+    }
+    kept.outputs = std::move(kept_outputs);
+    if (!options_.keep_graph) {
+      fn.release_variables();
+    }
+  } else {
+    // Partial: the later pass computes every one of them again.
+    kept.inputs = std::move(inputs_for_later_pass);
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (for_later_pass(i)) {
+        outputs[i] = at::Tensor();
+      }
+    }
+  }
+  return outputs;
+}
+
 template <bool kTraced>
 void BackwardCall::execute_node(int32_t index) {
   NodeSlot& slot = plan_.slots[index];
@@ -520,51 +555,12 @@ void BackwardCall::execute_node(int32_t index) {
     wait_pending(index);
   }
 
-  if (plan_.filtered) {
-    variable_list seen_inputs = inputs.buffer;
-    if (!slot.needed) {
-      // Captured but not run: its tensor pre-hooks still see the gradient
-      // (stock NOTE [Hooks ordering]); a needed node runs them in
-      // call_function.
-      seen_inputs = call_tensor_pre_hooks(fn, std::move(inputs.buffer));
-    }
-    if (slot.first_capture != kNoSlot) {
-      for (size_t c = slot.first_capture;
-           c < plan_.captures.size() && plan_.captures[c].slot == index;
-           ++c) {
-        const Capture& capture = plan_.captures[c];
-        captured_[capture.output_index] = seen_inputs[capture.input_nr];
-        if (node_stream) {
-          leaf_streams_.insert(*node_stream);
-        }
-      }
-    }
-    if (!slot.needed) {
-      if (split_ != nullptr) {
-        split_->on_captured_only(index, std::move(seen_inputs));
-      }
-      return;
-    }
+  std::optional<variable_list> ran =
+      run_node_action(index, std::move(inputs.buffer), node_stream);
+  if (!ran.has_value()) {
+    return;
   }
-
-  variable_list outputs;
-  {
-    // A collective's backward formula may hand its in-flight result to this
-    // call (defer_wait_to_first_use) while the node runs.
-    const RunningNode running{this, &fn};
-    RunningNodeScope running_scope(running);
-    if (split_ == nullptr) {
-      outputs =
-          call_function(fn, std::move(inputs.buffer), options_.keep_graph);
-      if (!options_.keep_graph) {
-        fn.release_variables();
-      }
-    } else {
-      // Split backward decides per node what runs and what is released.
-      outputs = split_->run_node(index, fn, std::move(inputs.buffer));
-    }
-  }
-
+  variable_list& outputs = *ran;
   if (outputs.empty()) {
     // A leaf (AccumulateGrad): its stream wrote .grad.
     if (node_stream) {

@@ -160,6 +160,7 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
       "backward_input: weights must be a tuple, but got ",
       THPUtils_typename(weights));
   variable_list weight_tensors;
+  edge_list weight_edges;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(weights); ++i) {
     PyObject* weight = PyTuple_GET_ITEM(weights, i);
     TORCH_CHECK_TYPE(
@@ -168,7 +169,20 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
         i,
         " is ",
         THPUtils_typename(weight));
-    weight_tensors.push_back(THPVariable_Unpack(weight));
+    const at::Tensor& tensor = THPVariable_Unpack(weight);
+    TORCH_CHECK(
+        tensor.requires_grad(),
+        "backward_input: weight ",
+        i,
+        " does not require grad");
+    TORCH_CHECK(
+        tensor.is_leaf(),
+        "backward_input: weight ",
+        i,
+        " is not a leaf tensor; weights are the leaves whose .grad the "
+        "weight pass accumulates");
+    weight_tensors.push_back(tensor);
+    weight_edges.push_back(input_edge(tensor, /*accumulate_grad=*/true));
   }
 
   InputPassResult result;
@@ -178,6 +192,7 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
         request.roots,
         std::move(request.root_grads),
         request.inputs,
+        weight_edges,
         weight_tensors,
         keep_graph != 0,
         allow_unused != 0);

@@ -165,8 +165,7 @@ std::vector<Node*> planned_execution_order(
       roots,
       inputs,
       /*accumulate_grad=*/false,
-      CallPriorities(std::move(priority_overrides)),
-      /*nodes_in_graph=*/nullptr);
+      CallPriorities(std::move(priority_overrides)));
   return planned_run_order(plan);
 }
 

@@ -1,15 +1,15 @@
-// Split backward (see split_backward.h): the dI pass classifies the graph,
-// runs D and keeps the frontier; the dW pass runs the weight subgraph from it.
+// Split backward (see split_backward.h) as two rewrites of a discovered
+// plan: the dI plan runs D and keeps what the frontier needs (NodeAction
+// kRunAndKeep, kCaptureAndKeep); the dW plan resumes it (kResumeKept) and
+// runs the weight subgraph. The executor runs both like any plan.
 
 #include "split_backward.h"
 #include "schedule_replay.h"
 
 #include "batched_accumulation.h"
-#include "engine_api.h"
 
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_metadata.h>
 
 #include <algorithm>
@@ -19,47 +19,28 @@
 
 namespace torch_ext {
 
-using torch::autograd::GraphTask;
-
-// A node the dW pass starts from, as the dI pass left it: a node of D with a
-// next edge into W, or a node of W that the dI pass captured at (an input
-// upstream of a weight). Exactly one of `inputs` and `outputs` is set once the
-// dI pass has run (or captured at) it.
-struct FrontierNode {
-  // Its slot in SplitState::weight_plan.
-  int32_t slot = kNoSlot;
-  // A captured node of W: every edge into it comes from D (a node leading to
-  // it leads to an input), so its gradients were complete in dI and its edges
-  // in are cut from the weight plan. Its hooks before apply() ran in dI.
-  bool captured_in_weight_subgraph = false;
-  // The gradients it received, after its pre-hooks: the dW pass runs its
-  // apply() on them (again, for a node of D: for the edges into W).
-  std::optional<variable_list> inputs;
-  // Or the gradients it already produced for its edges into W (undefined at
-  // the other positions): the dW pass delivers them without running it.
-  std::optional<variable_list> outputs;
-};
-
-// A root gradient whose edge leads into W: delivered by the dW pass.
+// A root gradient whose edge leads into W: the dW pass's root.
 struct WeightSideRoot {
+  // Its target's slot in SplitState::weight_plan.
   int32_t slot;
   uint32_t input_nr;
   at::Tensor grad;
   std::optional<c10::Stream> stream;
-  // Its edge id in the weight plan (bit-stable accumulation).
-  int32_t edge;
 };
 
 struct SplitState {
   // The dW pass's plan over the frontier nodes and W: dependency counts as
   // discovered by the dI pass, every node needed, edges out of W dropped.
+  // Frontier nodes (a kept index) resume what the dI pass kept.
   GraphPlan weight_plan;
   // weight_plan holds raw pointers; these keep its nodes alive even once the
-  // caller has dropped (or detached) the outputs.
+  // caller has dropped (or detached) the outputs. Parallel to its slots.
   std::vector<c10::intrusive_ptr<Node>> nodes;
-  // For each slot of weight_plan, its index in `frontier`, or kNoSlot.
-  std::vector<int32_t> frontier_of_slot;
-  std::vector<FrontierNode> frontier;
+  // What the dI pass keeps of each frontier node for the dW pass: a node of
+  // D with a next edge into W, or a captured node of W (an input upstream of
+  // a weight: every edge into it comes from D, so its gradients are complete
+  // in dI). Indexed by NodeSlot::kept in both plans.
+  std::vector<KeptNode> kept;
   std::vector<WeightSideRoot> weight_side_roots;
   variable_list weights;
   // Set by the first backward_weight. Atomic: two threads may resume one
@@ -70,62 +51,12 @@ struct SplitState {
   void release() {
     weight_plan = GraphPlan();
     nodes.clear();
-    frontier_of_slot.clear();
-    frontier.clear();
+    kept.clear();
     weight_side_roots.clear();
   }
 };
 
 namespace {
-
-NeedsInputGradHooks needs_input_grad_hooks;
-
-// ctx.needs_input_grad of a custom Python Function, narrowed for the pass
-// while the node runs.
-class NarrowedNeedsInputGrad {
- public:
-  explicit NarrowedNeedsInputGrad(Node& fn)
-      : fn_(fn),
-        token_(
-            needs_input_grad_hooks.narrow != nullptr
-                ? needs_input_grad_hooks.narrow(fn)
-                : nullptr) {}
-  ~NarrowedNeedsInputGrad() {
-    if (token_ != nullptr) {
-      needs_input_grad_hooks.restore(fn_, token_);
-    }
-  }
-  NarrowedNeedsInputGrad(const NarrowedNeedsInputGrad&) = delete;
-  NarrowedNeedsInputGrad& operator=(const NarrowedNeedsInputGrad&) = delete;
-
- private:
-  Node& fn_;
-  void* token_;
-};
-
-// Stock's call_pre_hooks: the node pre-hooks, which run after the tensor
-// pre-hooks and retains_grad hooks (NOTE [Hooks ordering]).
-variable_list call_node_pre_hooks(Node& fn, variable_list inputs) {
-  for (const auto& hook : fn.pre_hooks()) {
-    inputs = (*hook)(inputs);
-  }
-  return inputs;
-}
-
-// Hooks -> apply -> hooks, then releases the saved variables unless the
-// graph is kept: a node run in one pass only.
-variable_list run_whole_node(
-    Node& fn,
-    variable_list&& buffered,
-    bool keep_graph) {
-  NarrowedNeedsInputGrad narrowed(fn);
-  auto outputs = apply_and_post_hooks(
-      fn, call_hooks_before_apply(fn, std::move(buffered)), keep_graph);
-  if (!keep_graph) {
-    fn.release_variables();
-  }
-  return outputs;
-}
 
 std::optional<c10::Stream> producer_stream_of(const at::Tensor& grad) {
   if (!grad.defined()) {
@@ -178,45 +109,33 @@ std::vector<char> leads_to_weight(
   return leads;
 }
 
-class InputPass final : public SplitPass {
+// Rewrites the plan discovered for the dI pass (grad(inputs), with every
+// path to a weight expanded) into the dI plan, and builds the dW plan from
+// it into the state.
+class InputPassRewrite {
  public:
-  InputPass(
+  InputPassRewrite(
       const edge_list& roots,
-      variable_list root_grads,
+      const variable_list& root_grads,
       const edge_list& inputs,
       const edge_list& weights,
-      bool keep_graph,
       bool allow_unused,
       SplitState& state)
       : roots_(roots),
-        root_grads_(std::move(root_grads)),
+        root_grads_(root_grads),
         inputs_(inputs),
         weights_(weights),
-        keep_graph_(keep_graph),
         allow_unused_(allow_unused),
-        priorities_({}),
         state_(state) {}
 
-  void build_plan(GraphPlan& plan, std::unordered_set<Node*>* nodes_in_graph)
-      override {
-    // The weight pass copies its priorities, with their sources, from this
-    // plan: record the sources even when this pass is not traced, so a
-    // traced weight pass still says where its priorities came from.
-    plan.record_priority_sources = true;
-    discover_graph(
-        plan,
-        roots_,
-        inputs_,
-        /*accumulate_grad=*/false,
-        priorities_,
-        nodes_in_graph,
-        &weights_);
+  void rewrite(GraphPlan& plan) {
     if (inputs_.empty()) {
       // No input needs a gradient (a pipeline's first stage): nothing runs
       // now, everything in the weight pass.
       plan.filtered = true;
       for (auto& slot : plan.slots) {
         slot.needed = false;
+        slot.action = NodeAction::kCaptureOnly;
       }
     }
     check_reachable(plan);
@@ -224,92 +143,15 @@ class InputPass final : public SplitPass {
     // backward would, although the weight pass runs W's nodes after every
     // node of D (and the frontier nodes ready at once).
     order_deliveries_as_stock(plan, /*every_slot_runs=*/true);
-    plan_ = &plan;
     classify(plan);
     build_weight_plan(plan);
-    // Only the weight pass's root gradients are kept (in the state); an extra
-    // reference would stop input buffers from accumulating in place.
-    root_grads_.clear();
-  }
-
-  void seed(BackwardCall& call) override {
+    plan.narrows_needs_input_grad = true;
     // A single root in W has nothing to run now; stock would still run its
     // tensor pre-hooks, which the weight pass does.
-    if (!single_root_on_weight_side_) {
-      call.seed_all_roots();
-    }
-  }
-
-  variable_list run_node(int32_t slot, Node& fn, variable_list&& buffered)
-      override {
-    const int32_t frontier_index = frontier_index_[slot];
-    if (frontier_index == kNoSlot) {
-      return run_whole_node(fn, std::move(buffered), keep_graph_);
-    }
-    // A frontier node: its pre-hooks run once, here; the weight pass may run
-    // apply() again on the same inputs, so its saved variables stay.
-    auto inputs = call_hooks_before_apply(fn, std::move(buffered));
-    variable_list inputs_for_weight_pass = inputs;
-    variable_list outputs;
-    {
-      NarrowedNeedsInputGrad narrowed(fn);
-      outputs =
-          apply_and_post_hooks(fn, std::move(inputs), /*keep_graph=*/true);
-    }
-    FrontierNode& frontier = state_.frontier[frontier_index];
-    bool weight_side_complete = true;
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      if (is_weight_side_edge(slot, i) && !outputs[i].defined()) {
-        weight_side_complete = false;
-      }
-    }
-    if (weight_side_complete) {
-      // It computed its weight gradients already (pytorch#174017): keep them,
-      // and the weight pass will not run it again.
-      variable_list kept(outputs.size());
-      for (size_t i = 0; i < outputs.size(); ++i) {
-        // An edge into a captured node of W delivers now (see FrontierNode).
-        if (is_weight_side_edge(slot, i) &&
-            !plan_->slots[plan_->target_of(slot, i)].should_execute()) {
-          kept[i] = std::move(outputs[i]);
-        }
-      }
-      frontier.outputs = std::move(kept);
-      if (!keep_graph_) {
-        fn.release_variables();
-      }
-    } else {
-      frontier.inputs = std::move(inputs_for_weight_pass);
-      for (size_t i = 0; i < outputs.size(); ++i) {
-        if (is_weight_side_edge(slot, i) &&
-            !plan_->slots[plan_->target_of(slot, i)].should_execute()) {
-          // Partial: the weight pass recomputes every weight-side gradient.
-          outputs[i] = at::Tensor();
-        }
-      }
-    }
-    return outputs;
-  }
-
-  void on_captured_only(int32_t slot, variable_list&& hooked) override {
-    const int32_t frontier_index = frontier_index_[slot];
-    if (frontier_index == kNoSlot) {
-      return;
-    }
-    // A captured node of W: its tensor pre-hooks and retains_grad hooks ran
-    // on these gradients, for the capture; its node pre-hooks run now, like
-    // a frontier node's, and the weight pass runs only its apply(), so every
-    // hook runs once across the passes.
-    state_.frontier[frontier_index].inputs =
-        call_node_pre_hooks(*plan_->slots[slot].fn, std::move(hooked));
+    plan.seeds_roots = !single_root_on_weight_side_;
   }
 
  private:
-  bool is_weight_side_edge(int32_t slot, size_t edge) const {
-    const int32_t target = plan_->target_of(slot, edge);
-    return target != kNoSlot && weight_side_[target];
-  }
-
   void check_reachable(const GraphPlan& plan) const {
     if (allow_unused_) {
       return;
@@ -333,9 +175,10 @@ class InputPass final : public SplitPass {
   }
 
   // D: the slots the plan runs (`needed`). W: the others that lead to a
-  // weight. Frontier: slots of D with an edge into W, and slots of W that
-  // capture (FrontierNode::captured_in_weight_subgraph).
-  void classify(const GraphPlan& plan) {
+  // weight. Frontier: slots of D with an edge into W (kRunAndKeep), and
+  // slots of W that capture (kCaptureAndKeep). Edges from D into W that do
+  // not end in a captured node carry the weight pass's gradients.
+  void classify(GraphPlan& plan) {
     std::vector<int32_t> weight_slots;
     for (const auto& weight : weights_) {
       auto it = plan.slot_of.find(weight.function.get());
@@ -349,23 +192,31 @@ class InputPass final : public SplitPass {
     for (size_t s = 0; s < num_slots; ++s) {
       weight_side_[s] = !plan.slots[s].needed && leads[s];
     }
-    frontier_index_.assign(num_slots, kNoSlot);
+    plan.later_pass_edge.assign(
+        plan.edge_targets.size() + plan.root_targets.size(), 0);
     for (size_t s = 0; s < num_slots; ++s) {
-      const NodeSlot& node = plan.slots[s];
+      NodeSlot& node = plan.slots[s];
       if (is_captured_weight_side(plan, static_cast<int32_t>(s))) {
-        frontier_index_[s] = static_cast<int32_t>(state_.frontier.size());
-        state_.frontier.emplace_back().captured_in_weight_subgraph = true;
+        node.action = NodeAction::kCaptureAndKeep;
+        node.kept = static_cast<int32_t>(state_.kept.size());
+        state_.kept.emplace_back();
         continue;
       }
       if (!node.needed || !node.expanded) {
         continue;
       }
       for (size_t i = 0; i < node.fn->next_edges().size(); ++i) {
-        if (is_weight_side_edge_of(plan, static_cast<int32_t>(s), i)) {
-          frontier_index_[s] = static_cast<int32_t>(state_.frontier.size());
-          state_.frontier.emplace_back();
-          break;
+        const int32_t target = plan.target_of(static_cast<int32_t>(s), i);
+        if (target == kNoSlot || !weight_side_[target]) {
+          continue;
         }
+        if (node.kept == kNoSlot) {
+          node.action = NodeAction::kRunAndKeep;
+          node.kept = static_cast<int32_t>(state_.kept.size());
+          state_.kept.emplace_back();
+        }
+        plan.later_pass_edge[node.first_edge + i] =
+            !is_captured_weight_side(plan, target);
       }
     }
     // A captured root target receives its gradient in this pass.
@@ -378,12 +229,6 @@ class InputPass final : public SplitPass {
     return weight_side_[slot] && plan.slots[slot].first_capture != kNoSlot;
   }
 
-  bool is_weight_side_edge_of(const GraphPlan& plan, int32_t slot, size_t edge)
-      const {
-    const int32_t target = plan.target_of(slot, edge);
-    return target != kNoSlot && weight_side_[target];
-  }
-
   // The weight pass's plan, taken now: running the input pass consumes the
   // dependency counts of W.
   void build_weight_plan(const GraphPlan& plan) {
@@ -392,11 +237,11 @@ class InputPass final : public SplitPass {
     std::vector<int32_t> weight_plan_slot(num_slots, kNoSlot);
     std::vector<int32_t> original_slot;
     for (size_t s = 0; s < num_slots; ++s) {
-      const bool frontier = frontier_index_[s] != kNoSlot;
+      const NodeSlot& node = plan.slots[s];
+      const bool frontier = node.kept != kNoSlot;
       if (!weight_side_[s] && !frontier) {
         continue;
       }
-      const NodeSlot& node = plan.slots[s];
       const auto slot = static_cast<int32_t>(weight_plan.slots.size());
       weight_plan_slot[s] = slot;
       original_slot.push_back(static_cast<int32_t>(s));
@@ -409,11 +254,17 @@ class InputPass final : public SplitPass {
       // the count discovery made is the weight pass's. Frontier nodes are
       // made ready directly.
       copy.pending_edges = frontier ? 0 : node.pending_edges;
-      state_.nodes.push_back(node.fn->getptr());
-      state_.frontier_of_slot.push_back(frontier_index_[s]);
       if (frontier) {
-        state_.frontier[frontier_index_[s]].slot = slot;
+        copy.action = NodeAction::kResumeKept;
+        copy.kept = node.kept;
+        // A captured node of W got its gradients in the input pass: no
+        // frontier node of D may compute them again
+        // (task_should_compute_output). It still runs; only
+        // _will_engine_execute_node on it would tell otherwise, and its
+        // tensor hooks (where multi-grad hooks ask) ran in the input pass.
+        copy.hidden_from_host = node.action == NodeAction::kCaptureAndKeep;
       }
+      state_.nodes.push_back(node.fn->getptr());
     }
     for (size_t slot = 0; slot < weight_plan.slots.size(); ++slot) {
       const int32_t s = original_slot[slot];
@@ -447,9 +298,12 @@ class InputPass final : public SplitPass {
     weight_plan.filtered = true;
     weight_plan.stock_order_known = true;
     weight_plan.num_ordered_inputs = plan.num_ordered_inputs;
+    weight_plan.resumes_kept_nodes = true;
+    weight_plan.narrows_needs_input_grad = true;
 
-    // Root edges into W follow the weight plan's node edges (GraphPlan's
-    // edge ids), with their places in the full backward's order.
+    // Root edges into W are the weight pass's roots. Their edge ids follow
+    // the weight plan's node edges (GraphPlan's root edge ids), with their
+    // places in the full backward's order.
     const size_t first_root_edge = plan.edge_targets.size();
     for (size_t i = 0; i < roots_.size(); ++i) {
       const int32_t target = plan.root_targets[i];
@@ -460,134 +314,30 @@ class InputPass final : public SplitPass {
         // Stock's single root has no incoming edge to count.
         weight_plan.slots[weight_plan_slot[target]].pending_edges += 1;
       }
-      const auto weight_edge =
-          static_cast<int32_t>(weight_plan.ordered_input_of_edge.size());
       weight_plan.ordered_input_of_edge.push_back(
           plan.ordered_input_of_edge[first_root_edge + i]);
       weight_plan.stock_rank_of_edge.push_back(
           plan.stock_rank_of_edge[first_root_edge + i]);
+      weight_plan.root_targets.push_back(weight_plan_slot[target]);
+      weight_plan.root_input_nrs.push_back(roots_[i].input_nr);
       state_.weight_side_roots.push_back(
           {weight_plan_slot[target],
            roots_[i].input_nr,
            root_grads_[i],
-           producer_stream_of(root_grads_[i]),
-           weight_edge});
+           producer_stream_of(root_grads_[i])});
     }
   }
 
   const edge_list& roots_;
-  // The caller's root gradients, until the plan is built.
-  variable_list root_grads_;
+  const variable_list& root_grads_;
   const edge_list& inputs_;
   const edge_list& weights_;
-  const bool keep_graph_;
   const bool allow_unused_;
-  CallPriorities priorities_;
   SplitState& state_;
 
-  const GraphPlan* plan_ = nullptr;
   // Per slot of the input pass's plan.
   std::vector<char> weight_side_;
-  std::vector<int32_t> frontier_index_;
   bool single_root_on_weight_side_ = false;
-};
-
-class WeightPass final : public SplitPass {
- public:
-  WeightPass(SplitState& state, bool keep_graph)
-      : state_(state),
-        keep_graph_(keep_graph),
-        batch_accumulation_(AccumulationBatch::available()) {}
-
-  // Accumulates what the batch took over (batched_accumulation.h). Also
-  // runs as the host task's first final callback, ahead of any a hook
-  // queues during the pass; after an error, when final callbacks do not run,
-  // backward_weight calls it.
-  void flush_accumulation() {
-    batch_.flush();
-  }
-
-  void build_plan(GraphPlan& plan, std::unordered_set<Node*>* nodes_in_graph)
-      override {
-    plan = std::move(state_.weight_plan);
-    nodes_in_graph->reserve(nodes_in_graph->size() + plan.slots.size());
-    for (const auto& slot : plan.slots) {
-      nodes_in_graph->insert(slot.fn);
-    }
-  }
-
-  void seed(BackwardCall& call) override {
-    // Frontier nodes recompute only the gradients the weight plan delivers:
-    // a captured node of W got its gradients in the input pass, so it leaves
-    // the host's exec_info (task_should_compute_output) now that the plan is
-    // published. It still runs; only _will_engine_execute_node on it would
-    // tell otherwise, and its tensor hooks (where multi-grad hooks ask) ran
-    // in the input pass.
-    auto* exec_info =
-        const_cast<std::unordered_map<Node*, GraphTask::ExecInfo>*>(
-            torch::autograd::get_current_graph_task_exec_info());
-    for (const auto& frontier : state_.frontier) {
-      if (frontier.captured_in_weight_subgraph) {
-        exec_info->erase(state_.nodes[frontier.slot].get());
-      }
-    }
-    if (batch_accumulation_) {
-      torch::autograd::Engine::get_default_engine().queue_callback(
-          [this] { flush_accumulation(); });
-    }
-    // Root gradients first, as a full backward delivers them before any node
-    // runs; then the frontier nodes become ready and run in the scheduler's
-    // order (sequence_nr), which is their order in a full backward, so every
-    // input buffer of W sums its gradients in the same order.
-    for (auto& root : state_.weight_side_roots) {
-      call.seed_gradient(
-          root.slot, root.input_nr, std::move(root.grad), root.stream, root.edge);
-    }
-    for (auto& frontier : state_.frontier) {
-      if (frontier.inputs.has_value()) {
-        call.seed_ready(
-            frontier.slot, InputBuffer(std::move(*frontier.inputs)));
-        frontier.inputs.reset();
-      } else {
-        TORCH_INTERNAL_ASSERT(frontier.outputs.has_value());
-        call.seed_ready(frontier.slot, InputBuffer(variable_list()));
-      }
-    }
-  }
-
-  variable_list run_node(int32_t slot, Node& fn, variable_list&& buffered)
-      override {
-    if (batch_accumulation_ && AccumulationBatch::has_hooks(fn)) {
-      // A hook may read a weight's .grad that the batch holds back.
-      batch_.flush();
-    }
-    const int32_t frontier_index = state_.frontier_of_slot[slot];
-    if (frontier_index == kNoSlot) {
-      if (batch_accumulation_ && batch_.try_take(fn, buffered)) {
-        return {}; // what an AccumulateGrad returns
-      }
-      return run_whole_node(fn, std::move(buffered), keep_graph_);
-    }
-    FrontierNode& frontier = state_.frontier[frontier_index];
-    if (frontier.outputs.has_value()) {
-      auto outputs = std::move(*frontier.outputs);
-      frontier.outputs.reset();
-      return outputs;
-    }
-    // Its pre-hooks ran in the input pass, on these same gradients.
-    NarrowedNeedsInputGrad narrowed(fn);
-    auto outputs = apply_and_post_hooks(fn, std::move(buffered), keep_graph_);
-    if (!keep_graph_) {
-      fn.release_variables();
-    }
-    return outputs;
-  }
-
- private:
-  SplitState& state_;
-  const bool keep_graph_;
-  const bool batch_accumulation_;
-  AccumulationBatch batch_;
 };
 
 // The caller may modify an input gradient in place (scale it, send it into a
@@ -605,8 +355,8 @@ void unshare_input_grads_from_state(
       kept.insert(grad.storage().unsafeGetStorageImpl());
     }
   };
-  for (const auto& frontier : state.frontier) {
-    for (const auto* grads : {&frontier.inputs, &frontier.outputs}) {
+  for (const auto& kept_node : state.kept) {
+    for (const auto* grads : {&kept_node.inputs, &kept_node.outputs}) {
       if (grads->has_value()) {
         std::for_each((*grads)->begin(), (*grads)->end(), keep);
       }
@@ -626,37 +376,18 @@ void unshare_input_grads_from_state(
   }
 }
 
-Edge weight_edge(const at::Tensor& weight, size_t index) {
-  TORCH_CHECK(
-      weight.defined() && weight.requires_grad(),
-      "backward_input: weight ",
-      index,
-      " does not require grad");
-  TORCH_CHECK(
-      weight.is_leaf(),
-      "backward_input: weight ",
-      index,
-      " is not a leaf tensor; weights are the leaves whose .grad the weight "
-      "pass accumulates");
-  return input_edge(weight, /*accumulate_grad=*/true);
-}
-
 } // namespace
 
 InputPassResult backward_input(
     const edge_list& roots,
     variable_list root_grads,
     const edge_list& inputs,
+    const edge_list& weight_edges,
     const variable_list& weights,
     bool keep_graph,
     bool allow_unused) {
   torch::autograd::validate_outputs(
       roots, root_grads, [](const std::string& msg) { return msg; });
-  edge_list weight_edges;
-  weight_edges.reserve(weights.size());
-  for (size_t i = 0; i < weights.size(); ++i) {
-    weight_edges.push_back(weight_edge(weights[i], i));
-  }
   if (roots.size() != 1) {
     // Stock's GraphRoot takes a sequence number (see run_backward).
     at::sequence_number::get_and_increment();
@@ -664,14 +395,22 @@ InputPassResult backward_input(
 
   auto state = std::make_shared<SplitState>();
   state->weights = weights;
-  InputPass pass(
+  GraphPlan plan;
+  // The weight pass copies its priorities, with their sources, from this
+  // plan: record the sources even when this pass is not traced, so a traced
+  // weight pass still says where its priorities came from.
+  plan.record_priority_sources = true;
+  discover_graph(
+      plan,
       roots,
-      root_grads,
       inputs,
-      weight_edges,
-      keep_graph,
-      allow_unused,
-      *state);
+      /*accumulate_grad=*/false,
+      CallPriorities({}),
+      &weight_edges);
+  InputPassRewrite(roots, root_grads, inputs, weight_edges, allow_unused, *state)
+      .rewrite(plan);
+  // Only the weight pass's root gradients are kept (in the state); no other
+  // reference may stay, or input buffers would not accumulate in place.
   BackwardCall call(
       roots,
       std::move(root_grads),
@@ -680,7 +419,9 @@ InputPassResult backward_input(
        /*create_graph=*/false,
        /*accumulate_grad=*/false},
       {});
-  call.set_split_pass(&pass, "backward_input");
+  call.use_plan(std::move(plan));
+  call.set_kept_nodes(&state->kept);
+  call.set_trace_label("backward_input");
   // The host task retains the graph: frontier nodes keep their saved
   // variables whatever the caller asked, and nodes that read the host's
   // keep_graph (AOTAutograd's compiled backward frees saved tensors on use
@@ -704,21 +445,35 @@ variable_list backward_weight(SplitState& state, bool keep_graph) {
   } release{state};
 
   if (!state.weight_plan.slots.empty()) {
-    WeightPass pass(state, keep_graph);
+    edge_list roots;
+    variable_list root_grads;
+    std::vector<std::optional<c10::Stream>> root_streams;
+    for (auto& root : state.weight_side_roots) {
+      roots.emplace_back(state.nodes[root.slot], root.input_nr);
+      root_grads.push_back(std::move(root.grad));
+      root_streams.push_back(root.stream);
+    }
     BackwardCall call(
-        {},
-        {},
+        std::move(roots),
+        std::move(root_grads),
         {},
         {/*keep_graph=*/keep_graph,
          /*create_graph=*/false,
          /*accumulate_grad=*/true},
         {});
-    call.set_split_pass(&pass, "backward_weight");
+    AccumulationBatch batch;
+    call.use_plan(std::move(state.weight_plan));
+    call.set_kept_nodes(&state.kept);
+    call.set_root_streams(std::move(root_streams));
+    call.set_trace_label("backward_weight");
+    if (AccumulationBatch::available()) {
+      call.set_accumulation_batch(&batch);
+    }
     try {
       run_in_host_task(call, keep_graph, /*filtered=*/true);
     } catch (...) {
       // Stock would have accumulated these before the error.
-      pass.flush_accumulation();
+      batch.flush();
       throw;
     }
   }
@@ -735,15 +490,11 @@ std::string describe(const SplitState& state) {
   if (state.consumed) {
     ss << "weight pass done";
   } else {
-    ss << state.frontier.size() << " frontier nodes, "
-       << state.weight_plan.slots.size() - state.frontier.size()
+    ss << state.kept.size() << " frontier nodes, "
+       << state.weight_plan.slots.size() - state.kept.size()
        << " weight-side nodes, " << state.weights.size() << " weights";
   }
   return std::move(ss).str();
-}
-
-void set_needs_input_grad_hooks(NeedsInputGradHooks hooks) {
-  needs_input_grad_hooks = hooks;
 }
 
 } // namespace torch_ext

@@ -49,13 +49,15 @@ struct InputPassResult {
 
 // The dI pass: backward from `roots` (seeded with `root_grads`) through the
 // nodes on a path to `inputs` only, computing no weight gradient. `weights`
-// are leaf tensors requiring grad; unless `allow_unused`, each input and
-// weight must be reachable from the roots. With `keep_graph`, nothing is
-// released. The caller must not hold the GIL.
+// are leaf tensors requiring grad, and `weight_edges` their AccumulateGrad
+// edges; unless `allow_unused`, each input and weight must be reachable from
+// the roots. With `keep_graph`, nothing is released. The caller must not
+// hold the GIL.
 InputPassResult backward_input(
     const edge_list& roots,
     variable_list root_grads,
     const edge_list& inputs,
+    const edge_list& weight_edges,
     const variable_list& weights,
     bool keep_graph,
     bool allow_unused);
@@ -67,17 +69,5 @@ variable_list backward_weight(SplitState& state, bool keep_graph);
 
 // For the state's repr: its frontier size, or that it was consumed.
 std::string describe(const SplitState& state);
-
-// Custom Python Functions decide what to compute from ctx.needs_input_grad,
-// fixed when their forward ran, where generated nodes ask the graph task.
-// While a split pass runs such a node, the bindings narrow needs_input_grad
-// to the gradients the pass computes (task_should_compute_output), so a
-// Function that honours it computes dW in the dW pass only (pytorch#174017).
-// `narrow` returns a token for `restore`, or null if nothing changed.
-struct NeedsInputGradHooks {
-  void* (*narrow)(Node& fn) = nullptr;
-  void (*restore)(Node& fn, void* token) = nullptr;
-};
-void set_needs_input_grad_hooks(NeedsInputGradHooks hooks);
 
 } // namespace torch_ext

@@ -108,11 +108,18 @@ def _shallow_repr(value) -> str:
     return f"{type(value).__name__} of {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
 
 
-def run_ranks(run_on_rank: Callable[[int], dict], out_dir: Path, timeout_s: float = SPAWN_TIMEOUT_S) -> list[dict]:
+def run_ranks(
+    run_on_rank: Callable[[int], dict],
+    out_dir: Path,
+    timeout_s: float = SPAWN_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+) -> list[dict]:
     """Runs ``run_on_rank(rank)`` on every rank, inside a gloo process group on loopback.
 
-    ``run_on_rank`` must be a module-level function (spawned ranks import it by name). Returns each
-    rank's result, or fails the test with every rank's traceback, or its stacks if it hung.
+    ``run_on_rank`` must be a module-level function (spawned ranks import it by name). ``env`` is
+    added to the ranks' environment (read at their import of torch_ext, e.g.
+    ``TORCH_EXT_CURRENT_NODE``). Returns each rank's result, or fails the test with every rank's
+    traceback, or its stacks if it hung.
     """
     context = mp.get_context("spawn")
     # The ranks rendezvous through a store the test holds open on a port the OS chose, so no other
@@ -130,8 +137,18 @@ def run_ranks(run_on_rank: Callable[[int], dict], out_dir: Path, timeout_s: floa
         )
         for rank in range(WORLD_SIZE)
     ]
-    for process in ranks:
-        process.start()
+    # A spawned process takes the parent's environment as it is at start().
+    saved_env = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        for process in ranks:
+            process.start()
+    finally:
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     deadline = time.monotonic() + timeout_s
     timed_out = False
     try:

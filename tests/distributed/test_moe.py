@@ -102,12 +102,20 @@ def _train(case: None, rank: int, on_torch_ext: bool) -> dict:
 
 
 def _train_on_both(rank: int) -> dict:
-    return train_on_both_engines({"top1_uneven": None}, _train, rank)
+    results = train_on_both_engines({"top1_uneven": None}, _train, rank)
+    results["current_node_supported"] = torch_ext.current_node_supported()
+    return results
 
 
-@pytest.fixture(scope="module")
-def moe_results(tmp_path_factory) -> list[dict]:
-    return run_ranks(_train_on_both, tmp_path_factory.mktemp("moe"))
+# With the current-node slot (x86-64) and without it (TORCH_EXT_CURRENT_NODE=off, the path on other
+# architectures): deferred waits and bit-stable sums must not depend on it.
+@pytest.fixture(scope="module", params=("on", "off"))
+def moe_results(request, tmp_path_factory) -> list[dict]:
+    mode = request.param
+    results = run_ranks(_train_on_both, tmp_path_factory.mktemp(f"moe_{mode}"), env={"TORCH_EXT_CURRENT_NODE": mode})
+    if mode == "off":
+        assert not any(result["current_node_supported"] for result in results), "the slot was used"
+    return results
 
 
 def test_moe_training_matches_stock(moe_results):

@@ -1,0 +1,153 @@
+// Deferred collective waits: a collective's backward formula hands its
+// result, still in flight, to the call running it (defer_wait_to_first_use);
+// the call waits on it just before the first thing that reads it: the node
+// it is delivered to (execute_node), an accumulation into the same input
+// (add_to_input), or the end of the call. Everything scheduled in between
+// overlaps the communication. Portable: the host task is recognised by its
+// node set, not through the current-node slot (current_node.cpp).
+
+#include "backward_call.h"
+#include "running_node.h"
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+namespace torch_ext {
+namespace {
+
+using torch::autograd::AnomalyMode;
+
+// Waits on a collective result the way its op's own formula would have:
+// _c10d_functional::wait_tensor (blocks for gloo; on CUDA, makes the current
+// stream wait for the collective's). Below autograd, so no node is recorded.
+void wait_collective_result(const at::Tensor& result) {
+  static const auto wait_tensor =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("_c10d_functional::wait_tensor", "")
+          .typed<at::Tensor(const at::Tensor&)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  wait_tensor.call(result);
+}
+
+} // namespace
+
+void BackwardCall::wait_traced(
+    const PendingWait& pending,
+    int32_t consumer,
+    const char* why) {
+  if (trace_ == nullptr) {
+    wait_collective_result(pending.result);
+    return;
+  }
+  Node* reader = consumer == kNoSlot ? nullptr : plan_.slots[consumer].fn;
+  const int32_t index = trace_->begin(
+      trace::Kind::kCollectiveWait,
+      reader != nullptr ? reader->name() : std::string(why),
+      reader != nullptr ? trace::traced_sequence_nr(reader->sequence_nr())
+                        : -1);
+  trace_->event(index).wait_for = pending.launch_event;
+  trace::EndOnExit end_wait(trace_.get(), index);
+  wait_collective_result(pending.result);
+}
+
+bool BackwardCall::defer_wait_to_first_use(const at::Tensor& result) {
+  const RunningNode* running = running_node_now();
+  if (running == nullptr || !result.defined()) {
+    return false;
+  }
+  // A backward nested inside the node (stock's engine, reentrant
+  // checkpoint) makes its own graph task current, and its nodes' outputs do
+  // not go through this call's deliver(): only the node torch_ext runs right
+  // now, under its host task, may defer. (Portable: no current-node slot.)
+  if (torch::autograd::get_current_graph_task_nodes_in_graph() !=
+      running->call->host_nodes_in_graph_) {
+    return false;
+  }
+  // Fake and functional tensors (torch.compile tracing the formula) are not
+  // in flight; post hooks would read the result before any wait.
+  constexpr c10::DispatchKeySet kTracing(
+      {c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+  if (result.key_set().has_any(kTracing) ||
+      !running->node->post_hooks().empty()) {
+    return false;
+  }
+  // Anomaly mode checks a node's outputs for NaN as soon as it returns, and
+  // a result still in flight cannot be read.
+  if (AnomalyMode::is_enabled() && AnomalyMode::should_check_nan()) {
+    return false;
+  }
+  BackwardCall& call = *running->call;
+  if (!call.plan_.stock_order_known) {
+    // Waiting later reorders the nodes after it; without stock's delivery
+    // order the sums they feed could change. (Every node the engine
+    // recognises as a collective has it; see schedule_replay.h.)
+    return false;
+  }
+  const int32_t launch_event = call.running_node_event_;
+  if (call.trace_ != nullptr && launch_event != trace::kNoEvent) {
+    call.trace_->event(launch_event).collective = true;
+  }
+  call.pending_waits_.push_back({result, kNoSlot, launch_event});
+  return true;
+}
+
+void BackwardCall::note_pending_delivery(
+    int32_t target,
+    const at::Tensor& grad) {
+  for (auto& pending : pending_waits_) {
+    if (pending.slot == kNoSlot && pending.result.is_same(grad)) {
+      pending.slot = target;
+      plan_.slots[target].has_pending_wait = true;
+    }
+  }
+}
+
+void BackwardCall::wait_pending(int32_t slot) {
+  // Erase first, then wait: a failing wait must not be retried by the error
+  // path.
+  std::vector<PendingWait> ready;
+  auto it = pending_waits_.begin();
+  while (it != pending_waits_.end()) {
+    if (slot == kNoSlot || it->slot == slot) {
+      ready.push_back(std::move(*it));
+      it = pending_waits_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (slot != kNoSlot) {
+    plan_.slots[slot].has_pending_wait = false;
+  }
+  for (size_t i = 0; i < ready.size(); ++i) {
+    try {
+      wait_traced(ready[i], slot, "end of backward");
+    } catch (...) {
+      // The rest go back, for wait_pending_after_error to complete.
+      for (size_t rest = i + 1; rest < ready.size(); ++rest) {
+        pending_waits_.push_back(std::move(ready[rest]));
+      }
+      throw;
+    }
+  }
+}
+
+void BackwardCall::wait_pending_after_error() noexcept {
+  // Every launched collective must still complete, or its output buffer and
+  // work stay registered with c10d and the ranks fall out of step.
+  while (!pending_waits_.empty()) {
+    const PendingWait pending = std::move(pending_waits_.back());
+    pending_waits_.pop_back();
+    try {
+      wait_traced(pending, kNoSlot, "error");
+    } catch (const std::exception& e) {
+      TORCH_WARN(
+          "torch_ext: waiting on a collective launched before a backward "
+          "error failed: ",
+          e.what());
+    }
+  }
+}
+
+} // namespace torch_ext

@@ -1,0 +1,239 @@
+// The run loop of one call: the plan (discovered, or given by split
+// backward), published to the host task, seeded, then every ready node run
+// in the scheduler's order until none is left. Runs inside the host task's
+// BackwardDriver (host_task.cpp).
+
+#include "backward_call.h"
+#include "batched_accumulation.h"
+#include "schedule_replay.h"
+
+#include <ATen/DeviceAccelerator.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/input_metadata.h>
+
+#include <mutex>
+
+namespace torch_ext {
+namespace {
+
+// Stock GraphTask::stash_current_streams: the caller's current stream on
+// every device that already has a context.
+std::vector<c10::Stream> current_accelerator_streams() {
+  std::vector<c10::Stream> streams;
+  const auto accelerator = at::accelerator::getAccelerator(/*checked=*/false);
+  if (!accelerator.has_value()) {
+    return streams;
+  }
+  const c10::impl::VirtualGuardImpl guard{*accelerator};
+  const auto num_devices = guard.deviceCount();
+  for (c10::DeviceIndex index = 0; index < num_devices; ++index) {
+    if (at::globalContext().getAcceleratorHooksInterface().hasPrimaryContext(
+            index)) {
+      streams.push_back(guard.getStream({*accelerator, index}));
+    }
+  }
+  return streams;
+}
+
+std::optional<c10::Stream> producer_stream_of(const at::Tensor& grad) {
+  if (!grad.defined()) {
+    return std::nullopt;
+  }
+  return torch::autograd::InputMetadata(grad).stream();
+}
+
+} // namespace
+
+BackwardCall::BackwardCall(
+    edge_list roots,
+    variable_list root_grads,
+    edge_list inputs,
+    CallOptions options,
+    std::vector<PriorityOverride> priority_overrides)
+    : roots_(std::move(roots)),
+      root_grads_(std::move(root_grads)),
+      inputs_(std::move(inputs)),
+      options_(options),
+      priorities_(std::move(priority_overrides)),
+      // Read here, on the caller's thread: past stock's reentrant depth
+      // limit the host task runs the driver on a pool thread, whose current
+      // streams are not the caller's.
+      caller_streams_(current_accelerator_streams()) {
+  if (!options_.accumulate_grad) {
+    captured_.resize(inputs_.size());
+  }
+  root_streams_.reserve(root_grads_.size());
+  for (const auto& grad : root_grads_) {
+    root_streams_.push_back(producer_stream_of(grad));
+  }
+}
+
+void BackwardCall::seed() {
+  if (plan_.seeds_roots) {
+    seed_roots();
+  }
+  if (plan_.resumes_kept_nodes) {
+    // After the root gradients, as a full backward delivers them before any
+    // node runs: the kept nodes become ready and run in the scheduler's
+    // order (sequence_nr), their order in a full backward, so every input
+    // buffer sums its gradients in the same order. They read what was kept
+    // (run_node_action), not a buffer.
+    for (size_t s = 0; s < plan_.slots.size(); ++s) {
+      NodeSlot& slot = plan_.slots[s];
+      if (slot.kept != kNoSlot) {
+        slot.inputs.emplace(InputBuffer(variable_list()));
+        ready_.push(ready_key(static_cast<int32_t>(s)));
+      }
+    }
+  }
+}
+
+void BackwardCall::seed_roots() {
+  if (plan_.single_root) {
+    // Stock makes a single root the graph root and runs it whether or not
+    // grad()/inputs= needs it (it then runs only its tensor pre-hooks).
+    NodeSlot& root = plan_.slots[plan_.root_targets[0]];
+    root.pending_edges = 1;
+    root.inputs.emplace(make_input_buffer(*root.fn));
+  }
+  // Several roots: stock's GraphRoot delivers each gradient along its root
+  // edge, in order, like any node's outputs.
+  const auto first_root_edge = static_cast<int32_t>(plan_.edge_targets.size());
+  for (size_t i = 0; i < roots_.size(); ++i) {
+    deliver(
+        plan_.root_targets[i],
+        roots_[i].input_nr,
+        std::move(root_grads_[i]),
+        root_streams_[i],
+        first_root_edge + static_cast<int32_t>(i));
+  }
+}
+
+void BackwardCall::run(Node* host_node) {
+  if (trace::enabled()) {
+    const char* label = trace_label_ != nullptr ? trace_label_
+        : options_.accumulate_grad              ? "backward"
+                                                : "grad";
+    trace_ = std::make_unique<trace::CallTrace>(label);
+    plan_.record_priority_sources = true;
+  }
+  // The call's span ends, and its events go to the recorder, however run()
+  // exits.
+  struct FinishTrace {
+    trace::CallTrace* trace;
+    ~FinishTrace() {
+      if (trace != nullptr) {
+        trace->finish();
+      }
+    }
+  } finish_trace{trace_.get()};
+  current_node_slot_ = current_node_slot(host_node);
+  host_nodes_in_graph_ =
+      torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (!has_plan_) {
+    discover_graph(
+        plan_, roots_, inputs_, options_.accumulate_grad, priorities_);
+  }
+  if (!plan_.stock_order_known &&
+      (!plan_.priority.empty() || plan_.has_collectives)) {
+    // Priorities and deferred collective waits run nodes out of stock's
+    // order; the sums must not notice.
+    order_deliveries_as_stock(plan_, /*every_slot_runs=*/false);
+  }
+  ordered_inputs_.resize(plan_.num_ordered_inputs);
+  // Filling the host's nodes_in_graph makes _will_engine_execute_node and
+  // register_multi_grad_hook(mode="all") see the real graph.
+  publish_plan_to_host_task(plan_);
+  if (batch_ != nullptr) {
+    // The first final callback, ahead of any a hook queues during the pass;
+    // after an error, when final callbacks do not run, the caller flushes.
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [batch = batch_] { batch->flush(); });
+  }
+  // Gradients are accumulated (InputBuffer) and nodes run with grad mode
+  // equal to create_graph, as under stock's per-task thread-local state.
+  c10::GradMode::set_enabled(options_.create_graph);
+  task_autograd_state_ = c10::AutogradState::get_tls_state();
+  task_dispatch_keys_ = c10::impl::tls_local_dispatch_key_set();
+
+  int32_t running = kNoSlot;
+  try {
+    seed();
+    // One loop for both: with a loop per variant GCC stopped inlining the
+    // queue's pop (callgrind: +10 instructions per node untraced).
+    const bool traced = trace_ != nullptr;
+    while (!ready_.empty()) {
+      running = ready_.pop();
+      if (traced) {
+        execute_node</*kTraced=*/true>(running);
+      } else {
+        execute_node</*kTraced=*/false>(running);
+      }
+    }
+    // Collective results no node read (dropped, or delivered to nodes that
+    // do not run) still complete before backward returns. A failure here is
+    // no node's.
+    running = kNoSlot;
+    wait_pending(kNoSlot);
+  } catch (...) {
+    if (running != kNoSlot) {
+      failed_node_ = plan_.slots[running].fn;
+    }
+    wait_pending_after_error();
+    record_held_gradients();
+    throw;
+  }
+  record_held_gradients();
+  sync_leaf_streams_with_caller();
+}
+
+std::vector<Node*> BackwardCall::planned_order() const {
+  return planned_run_order(plan_);
+}
+
+namespace {
+std::mutex held_stats_mutex;
+HeldGradientStats held_stats;
+} // namespace
+
+void BackwardCall::record_held_gradients() const {
+  if (!plan_.stock_order_known) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(held_stats_mutex);
+  held_stats.ordered_calls += 1;
+  held_stats.held_gradients += held_count_;
+  held_stats.peak_held_bytes =
+      std::max(held_stats.peak_held_bytes, peak_held_bytes_);
+}
+
+HeldGradientStats held_gradient_stats(bool reset) {
+  std::lock_guard<std::mutex> lock(held_stats_mutex);
+  const HeldGradientStats stats = held_stats;
+  if (reset) {
+    held_stats = HeldGradientStats{};
+  }
+  return stats;
+}
+
+void BackwardCall::sync_leaf_streams_with_caller() {
+  // Stock GraphTask::exec_post_processing: the caller may read .grad and the
+  // returned gradients on its own streams as soon as backward returns.
+  for (const auto& leaf_stream : leaf_streams_) {
+    for (const auto& caller_stream : caller_streams_) {
+      if (caller_stream.device() != leaf_stream.device() ||
+          caller_stream == leaf_stream) {
+        continue;
+      }
+      c10::Event event{leaf_stream.device_type()};
+      event.record(leaf_stream);
+      caller_stream.wait(event);
+    }
+  }
+}
+
+} // namespace torch_ext
