@@ -12,7 +12,6 @@
 #include <limits>
 
 namespace torch_ext {
-namespace {
 
 uint64_t min_topological_nr(const edge_list& inputs) {
   if (inputs.empty()) {
@@ -24,6 +23,8 @@ uint64_t min_topological_nr(const edge_list& inputs) {
   }
   return min_topo_nr;
 }
+
+namespace {
 
 class PlanBuilder {
  public:

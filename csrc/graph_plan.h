@@ -75,6 +75,20 @@ struct KeptNode {
   std::optional<variable_list> outputs;
 };
 
+// A slot's gradients while a call runs. They are the call's, not the plan's:
+// copying a plan (a template, plan_cache.h) copies no buffer.
+struct SlotBuffer : std::optional<InputBuffer> {
+  SlotBuffer() = default;
+  SlotBuffer(const SlotBuffer& /*other*/) noexcept {}
+  SlotBuffer& operator=(const SlotBuffer& /*other*/) noexcept {
+    reset();
+    return *this;
+  }
+  SlotBuffer(SlotBuffer&&) = default;
+  SlotBuffer& operator=(SlotBuffer&&) = default;
+  ~SlotBuffer() = default;
+};
+
 // One node reachable from the roots.
 struct NodeSlot {
   Node* fn = nullptr;
@@ -115,7 +129,7 @@ struct NodeSlot {
   bool hidden_from_host = false;
   // Gradients delivered so far; created by the first delivery (stock's
   // not_ready_ entry).
-  std::optional<InputBuffer> inputs;
+  SlotBuffer inputs;
 
   bool should_execute() const {
     return needed || first_capture != kNoSlot;
@@ -196,6 +210,10 @@ struct GraphPlan {
     return edge_targets[slots[slot].first_edge + edge_index];
   }
 };
+
+// The smallest topological_nr of `inputs`' nodes, or 0 for none: a node
+// below it cannot lead to an input, and discovery does not expand it.
+uint64_t min_topological_nr(const edge_list& inputs);
 
 // Fills the empty `plan` for running backward from `roots`. With `inputs` empty every
 // reachable node runs; otherwise only the nodes on a path from a root to an

@@ -4,6 +4,7 @@
 #include "python_engine_info.h"
 
 #include "backward_call.h"
+#include "plan_cache.h"
 
 #include <torch/csrc/utils/pybind.h>
 
@@ -38,6 +39,41 @@ PyObject* py_current_node_state(PyObject* /*module*/, PyObject* /*unused*/) {
   return PyUnicode_FromString("unknown");
 }
 
+PyObject* py_plan_cache_stats(PyObject* /*module*/, PyObject* reset) {
+  const int do_reset = PyObject_IsTrue(reset);
+  if (do_reset < 0) {
+    return nullptr;
+  }
+  const PlanCacheStats stats = plan_cache_stats(do_reset != 0);
+  return Py_BuildValue(
+      "{s:L,s:L,s:L,s:L,s:O}",
+      "hits",
+      static_cast<long long>(stats.hits),
+      "misses",
+      static_cast<long long>(stats.misses),
+      "templates",
+      static_cast<long long>(stats.templates),
+      "template_bytes",
+      static_cast<long long>(stats.template_bytes),
+      "enabled",
+      plan_cache_enabled() ? Py_True : Py_False);
+}
+
+PyObject* py_set_plan_cache(PyObject* /*module*/, PyObject* enabled) {
+  const int on = PyObject_IsTrue(enabled);
+  if (on < 0) {
+    return nullptr;
+  }
+  const bool was = plan_cache_enabled();
+  set_plan_cache_enabled(on != 0);
+  return PyBool_FromLong(was);
+}
+
+PyObject* py_clear_plan_cache(PyObject* /*module*/, PyObject* /*unused*/) {
+  clear_plan_cache();
+  Py_RETURN_NONE;
+}
+
 PyMethodDef engine_info_methods[] = {
     {"_current_node_state",
      py_current_node_state,
@@ -52,6 +88,20 @@ PyMethodDef engine_info_methods[] = {
      "peak_held_bytes}: what bit-stable accumulation held back since the last "
      "reset (calls that knew stock's order, gradients held, the most bytes "
      "one call held at once)."},
+    {"_plan_cache_stats",
+     py_plan_cache_stats,
+     METH_O,
+     "_plan_cache_stats(reset) -> {hits, misses, templates, template_bytes, "
+     "enabled}: this thread's plan cache (plan_cache.h) since the last reset."},
+    {"_set_plan_cache",
+     py_set_plan_cache,
+     METH_O,
+     "_set_plan_cache(enabled) -> bool: turns the plan cache on or off for "
+     "every thread; returns the previous setting."},
+    {"_clear_plan_cache",
+     py_clear_plan_cache,
+     METH_NOARGS,
+     "_clear_plan_cache(): drops this thread's plan templates."},
     {nullptr, nullptr, 0, nullptr}};
 
 } // namespace

@@ -5,6 +5,7 @@
 
 #include "backward_call.h"
 #include "batched_accumulation.h"
+#include "plan_cache.h"
 #include "schedule_replay.h"
 
 #include <ATen/DeviceAccelerator.h>
@@ -135,14 +136,8 @@ void BackwardCall::run(Node* host_node) {
   host_nodes_in_graph_ =
       torch::autograd::get_current_graph_task_nodes_in_graph();
   if (!has_plan_) {
-    discover_graph(
+    plan_for_call(
         plan_, roots_, inputs_, options_.accumulate_grad, priorities_);
-  }
-  if (!plan_.stock_order_known &&
-      (!plan_.priority.empty() || plan_.has_collectives)) {
-    // Priorities and deferred collective waits run nodes out of stock's
-    // order; the sums must not notice.
-    order_deliveries_as_stock(plan_, /*every_slot_runs=*/false);
   }
   ordered_inputs_.resize(plan_.num_ordered_inputs);
   // Filling the host's nodes_in_graph makes _will_engine_execute_node and

@@ -32,8 +32,22 @@ def _check_current_node_mode() -> None:
         raise ValueError(f"{CURRENT_NODE_VARIABLE} must be one of {CURRENT_NODE_MODES}, got {mode!r}")
 
 
+# TORCH_EXT_PLAN_CACHE: "on" (the default) replays a backward plan on later calls of the same graph
+# structure (csrc/plan_cache.h); "off" plans every call afresh.
+PLAN_CACHE_VARIABLE = "TORCH_EXT_PLAN_CACHE"
+PLAN_CACHE_MODES = ("on", "off")
+
+
+def _plan_cache_mode() -> str:
+    mode = os.environ.get(PLAN_CACHE_VARIABLE, "on")
+    if mode not in PLAN_CACHE_MODES:
+        raise ValueError(f"{PLAN_CACHE_VARIABLE} must be one of {PLAN_CACHE_MODES}, got {mode!r}")
+    return mode
+
+
 def load_extension():
     _check_current_node_mode()
+    plan_cache_on = _plan_cache_mode() == "on"
     built_for = _built_for()
     found = torch.__version__
     if built_for is None:
@@ -48,8 +62,11 @@ def load_extension():
             f"or install torch=={built_for.split('+')[0]}."
         )
     try:
-        return importlib.import_module("torch_ext._C")
+        extension = importlib.import_module("torch_ext._C")
     except ImportError as e:
         raise ImportError(
             f"torch_ext's C++ engine (built for torch {built_for}, found torch {found}) failed to load: {e}"
         ) from e
+    if not plan_cache_on:
+        extension._set_plan_cache(False)
+    return extension
