@@ -8,6 +8,8 @@ own counters that a replay did happen (or, where the structure changed, did not)
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -197,3 +199,30 @@ def test_environment_switch_rejects_other_values():
     result = subprocess.run([sys.executable, "-c", "import torch_ext"], env=env, capture_output=True, text=True)
     assert result.returncode != 0
     assert "TORCH_EXT_PLAN_CACHE must be one of ('on', 'off'), got 'maybe'" in result.stderr
+
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="Hugging Face transformers is not installed")
+def test_hugging_face_training_loop_replays_with_stock_bits():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32)
+    stock, ours = GPT2LMHeadModel(config), GPT2LMHeadModel(config)
+    ours.load_state_dict(stock.state_dict())
+    stock.eval(), ours.eval()  # no dropout: the two models draw no random numbers in training
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in (stock, ours)]
+    steps = 5
+    for _ in range(steps):
+        ids = torch.randint(0, config.vocab_size, (2, 16))
+        for model, optimizer, on_torch_ext in ((stock, optimizers[0], False), (ours, optimizers[1], True)):
+            optimizer.zero_grad()
+            loss = model(ids, labels=ids).loss
+            with torch_ext.enabled() if on_torch_ext else contextlib.nullcontext():
+                loss.backward()
+            optimizer.step()
+        for a, b in zip(stock.parameters(), ours.parameters(), strict=True):
+            assert torch.equal(a, b)
+    assert _hits() == steps - FIRST_REPLAY + 1
