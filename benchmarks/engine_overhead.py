@@ -17,6 +17,8 @@ either engine's time; the MLP shows how much of the difference survives next to 
          summing 1,000 gradients). The c_i differ, so the summation order shows in the bits and
          the torch.equal check below also checks the execution order.
   mlp    32 x (Linear(64, 64) + tanh), batch 8, loss = output.sum().
+  fixed_cost  ``(x * 2).sin().sum()`` on 4 elements: 4 nodes, so what is measured is the cost of one
+         call (reported per call in bench's summary).
 
 What each engine is asked to do, per graph:
 
@@ -33,7 +35,10 @@ What each engine is asked to do, per graph:
 
 Method: stock (``torch.autograd.backward`` / ``torch.autograd.grad``) and torch_ext
 (``torch_ext.backward`` / ``torch_ext.grad``) alternate in one process, stock first in every
-repetition, after warmup repetitions that are not recorded. The graph is rebuilt (forward,
+repetition, torch_ext twice: ``torch_ext`` with its plan cache on (every timed call replays the plan
+of the structure the previous repetitions built, as a training loop's steps do) and
+``torch_ext_first`` with it off (every call discovers and plans afresh, as a structure's first call
+does), after warmup repetitions that are not recorded. The graph is rebuilt (forward,
 untimed) before every timed call and leaf gradients are reset to None, so every timed call does the
 same work; only the engine calls are timed (time.perf_counter_ns), with Python's cyclic GC disabled
 during them and re-enabled between calls. The graph is freed after the timer stops. Before timing,
@@ -83,12 +88,25 @@ class EngineApi:
     name: str
     backward: Callable
     grad: Callable
+    # torch_ext's plan cache (csrc/plan_cache.h) on or off for this engine's calls; None for stock.
+    plan_cache: bool | None = None
 
 
+# Every repetition rebuilds a graph of the same structure, as a training step does: with the plan cache
+# on, torch_ext's timed calls replay the plan (from the third call on, all inside the warmup); with it
+# off, every call plans afresh, as the first call of a structure does.
 ENGINES: tuple[EngineApi, ...] = (
     EngineApi("stock", torch.autograd.backward, torch.autograd.grad),
-    EngineApi("torch_ext", torch_ext.backward, torch_ext.grad),
+    EngineApi("torch_ext", torch_ext.backward, torch_ext.grad, plan_cache=True),
+    EngineApi("torch_ext_first", torch_ext.backward, torch_ext.grad, plan_cache=False),
 )
+TORCH_EXT_ENGINES = tuple(engine.name for engine in ENGINES if engine.plan_cache is not None)
+
+
+def use_engine(engine: EngineApi) -> None:
+    """Sets what the engine's calls need, outside the timed region."""
+    if engine.plan_cache is not None:
+        torch_ext._C._set_plan_cache(engine.plan_cache)
 # Unrecorded repetitions (of each engine) before timing: the first backward on a new graph shape
 # pays for allocator growth and cold caches.
 WARMUP_REPS = 3
@@ -293,8 +311,35 @@ class MLP:
         return build
 
 
-Case = Chain | FanIn | MLP
+@dataclass(frozen=True)
+class FixedCost:
+    """The fixed cost of one call: ``(x * 2).sin().sum()`` on 4 elements, 4 nodes with x's AccumulateGrad.
+
+    Small backward calls are common (per micro-batch in pipeline schedules, per layer in split backward,
+    in RL and meta-learning loops); here the per-call work (Python entry, argument checks, the host task's
+    stock graph task, discovery, post-processing) is most of the time."""
+
+    reps: int = 3_000
+    quick_reps: int = 600
+    name: str = "fixed_cost"
+    call: Call = BACKWARD
+
+    @property
+    def size(self) -> str:
+        return "3 ops"
+
+    def make_builder(self) -> Callable[[], Graph]:
+        x = torch.linspace(0.5, 1.0, 4).requires_grad_()
+
+        def build() -> Graph:
+            return Graph([x], (x * 2).sin().sum())
+
+        return build
+
+
+Case = Chain | FanIn | MLP | FixedCost
 CASES: tuple[Case, ...] = (
+    FixedCost(),
     Chain(),
     FanIn(),
     MLP(),
@@ -314,14 +359,22 @@ def fresh_graph(build: Callable[[], Graph]) -> Graph:
     return graph
 
 
+def run_call(case: Case, engine: EngineApi, graph: Graph) -> CallResult:
+    use_engine(engine)
+    return case.call.run(engine, graph)
+
+
 def check_same_gradients(case: Case, build: Callable[[], Graph]) -> None:
-    results = {engine.name: case.call.run(engine, fresh_graph(build)).tensors for engine in ENGINES}
-    for i, (stock, ext) in enumerate(zip(results["stock"], results["torch_ext"], strict=True)):
-        if stock is None or ext is None:
-            raise GradientMismatch(f"{case.name}: result {i} is missing (stock: {stock}, torch_ext: {ext})")
-        if not torch.equal(stock, ext):
-            diff = (stock - ext).abs().max().item()
-            raise GradientMismatch(f"{case.name}: result {i}: torch_ext's differs from stock's (max {diff:g})")
+    # Three calls of each engine: the third replays a plan where the cache is on.
+    for _ in range(3):
+        results = {engine.name: run_call(case, engine, fresh_graph(build)).tensors for engine in ENGINES}
+        for name in TORCH_EXT_ENGINES:
+            for i, (stock, ext) in enumerate(zip(results["stock"], results[name], strict=True)):
+                if stock is None or ext is None:
+                    raise GradientMismatch(f"{case.name}: result {i} is missing (stock: {stock}, {name}: {ext})")
+                if not torch.equal(stock, ext):
+                    diff = (stock - ext).abs().max().item()
+                    raise GradientMismatch(f"{case.name}: result {i}: {name}'s differs from stock's (max {diff:g})")
 
 
 def time_alternating(case: Case, build: Callable[[], Graph], warmup: int) -> dict[str, list[int]]:
@@ -329,7 +382,7 @@ def time_alternating(case: Case, build: Callable[[], Graph], warmup: int) -> dic
     for rep in range(warmup + case.reps):
         for engine in ENGINES:
             graph = fresh_graph(build)
-            elapsed = case.call.run(engine, graph).elapsed_ns
+            elapsed = run_call(case, engine, graph).elapsed_ns
             # Freed here, outside the timed call, before the next graph is built.
             del graph
             if rep >= warmup:
@@ -374,12 +427,25 @@ def main(argv: list[str] | None = None) -> int:
             )
             per_node[name] = summarize([t / 1e3 / nodes for t in times_ns])
             rows.append(csv_row(name, case.name, case.size, "us_per_node", per_node[name], sha))
-        paired = summarize([ext / stock for stock, ext in zip(samples["stock"], samples["torch_ext"])])
-        rows.append(csv_row("torch_ext/stock", case.name, case.size, "ratio", paired, sha))
-        ratio = per_node["torch_ext"].median / per_node["stock"].median
-        table.append((case, nodes, per_node["stock"], per_node["torch_ext"], ratio, paired))
+        ratios = {}
+        for name in TORCH_EXT_ENGINES:
+            paired = summarize([ext / stock for stock, ext in zip(samples["stock"], samples[name])])
+            rows.append(csv_row(f"{name}/stock", case.name, case.size, "ratio", paired, sha))
+            ratios[name] = (per_node[name].median / per_node["stock"].median, paired)
+        table.append((case, nodes, per_node, ratios))
 
-    header = ("graph", "size", "call", "nodes", "reps", "stock us/node", "torch_ext us/node", "ratio", "paired ratio")
+    header = (
+        "graph",
+        "size",
+        "call",
+        "nodes",
+        "reps",
+        "stock us/node",
+        "torch_ext us/node",
+        "ratio",
+        "paired ratio",
+        "first call ratio",
+    )
     lines = [header] + [
         (
             case.name,
@@ -387,17 +453,19 @@ def main(argv: list[str] | None = None) -> int:
             case.call.label,
             str(nodes),
             str(case.reps),
-            str(stock),
-            str(ext),
-            f"{ratio:.3f}",
-            f"{paired.p20:.3f}-{paired.p80:.3f}",
+            str(per_node["stock"]),
+            str(per_node["torch_ext"]),
+            f"{ratios['torch_ext'][0]:.3f}",
+            f"{ratios['torch_ext'][1].p20:.3f}-{ratios['torch_ext'][1].p80:.3f}",
+            f"{ratios['torch_ext_first'][0]:.3f}",
         )
-        for case, nodes, stock, ext, ratio, paired in table
+        for case, nodes, per_node, ratios in table
     ]
     print_columns(lines)
     print(
-        "us/node: median [p20-p80]; ratio: torch_ext/stock of the medians; "
-        "paired ratio: p20-p80 of the per-repetition ratios"
+        "us/node: median [p20-p80]; ratio: torch_ext/stock of the medians, plan replayed (a training loop's "
+        "steps); paired ratio: p20-p80 of the per-repetition ratios; first call ratio: plan cache off, every "
+        "call plans afresh (a structure's first call)"
     )
 
     write_csv(args.out, rows)
@@ -415,21 +483,26 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
         ext = rows[("torch_ext", case, "us_per_node")]["median"]
         paired = rows[("torch_ext/stock", case, "ratio")]
         nodes = int(rows[("graph", case, "nodes")]["median"])
+        first = rows.get(("torch_ext_first", case, "us_per_node"))
+        first_note = "" if first is None else f"; first call {first['median'] / stock:.2f}"
+        # The fixed-cost case is about one call, not its nodes.
+        unit, scale = ("us/call", nodes) if case == "fixed_cost" else ("us/node", 1)
         summary.append(
             SummaryRow(
                 "engine_overhead",
                 case,
                 "torch_ext",
-                f"stock {stock:.3g} us/node",
-                f"{ext:.3g} us/node",
+                f"stock {stock * scale:.3g} {unit}",
+                f"{ext * scale:.3g} {unit}",
                 f"{ext / stock:.2f}",
-                f"{nodes} nodes; paired ratio p20-p80 {paired['p20']:.2f}-{paired['p80']:.2f}",
+                f"{nodes} nodes; paired ratio p20-p80 {paired['p20']:.2f}-{paired['p80']:.2f}{first_note}",
                 {
                     "stock_us_per_node": stock,
                     "torch_ext_us_per_node": ext,
                     "ratio": ext / stock,
                     "paired_ratio_p20": paired["p20"],
                     "paired_ratio_p80": paired["p80"],
+                    **({} if first is None else {"first_call_ratio": first["median"] / stock}),
                 },
             )
         )

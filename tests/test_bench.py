@@ -56,13 +56,15 @@ def test_quick_engine_overhead_writes_the_results_folder(tmp_path):
     for name in ("engine_overhead.csv", "engine_overhead.log", "summary.csv", "summary.md", "engine_overhead.png"):
         assert (folder / name).is_file(), name
     # The printed table has one line per graph of engine_overhead.py.
-    for case in ("chain", "fanin", "mlp", "mlp_grad_x", "mlp_double"):
+    for case in ("fixed_cost", "chain", "fanin", "mlp", "mlp_grad_x", "mlp_double"):
         assert any(line.startswith(f"engine_overhead  {case} ") for line in result.stdout.splitlines()), case
     png = (folder / "engine_overhead.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
     with open(folder / "summary.csv") as f:
         ratios = [float(row["value"]) for row in csv.DictReader(f) if row["metric"] == "ratio"]
-    assert len(ratios) == 5 and all(0 < ratio < 10 for ratio in ratios)
+    assert len(ratios) == 6 and all(0 < ratio < 10 for ratio in ratios)
+    # Plans replayed and planned afresh are both reported.
+    assert "first call" in (folder / "summary.md").read_text()
     assert "![engine_overhead](engine_overhead.png)" in (folder / "summary.md").read_text()
 
 
@@ -117,6 +119,23 @@ def test_engine_overhead_summary_from_a_csv(tmp_path):
     }
     assert (row.baseline, row.measured, row.ratio) == ("stock 5 us/node", "3.5 us/node", "0.70")
     assert "10002 nodes" in row.notes
+
+
+def test_engine_overhead_fixed_cost_is_per_call_with_the_first_call_ratio(tmp_path):
+    write_rows(
+        tmp_path / "engine_overhead.csv",
+        [
+            ("graph", "fixed_cost", "3 ops", "nodes", 4, 4, 4),
+            ("stock", "fixed_cost", "3 ops", "us_per_node", 5.0, 4.8, 5.2),
+            ("torch_ext", "fixed_cost", "3 ops", "us_per_node", 4.0, 3.9, 4.1),
+            ("torch_ext_first", "fixed_cost", "3 ops", "us_per_node", 4.5, 4.4, 4.6),
+            ("torch_ext/stock", "fixed_cost", "3 ops", "ratio", 0.8, 0.78, 0.82),
+            ("torch_ext_first/stock", "fixed_cost", "3 ops", "ratio", 0.9, 0.88, 0.92),
+        ],
+    )
+    (row,) = bench.summarize_folder(tmp_path, ["engine_overhead"])
+    assert (row.baseline, row.measured, row.ratio) == ("stock 20 us/call", "16 us/call", "0.80")
+    assert "first call 0.90" in row.notes and row.values["first_call_ratio"] == 0.9
 
 
 def test_overlap_and_split_backward_summaries_from_csvs(tmp_path):
