@@ -107,6 +107,8 @@ def use_engine(engine: EngineApi) -> None:
     """Sets what the engine's calls need, outside the timed region."""
     if engine.plan_cache is not None:
         torch_ext._C._set_plan_cache(engine.plan_cache)
+
+
 # Unrecorded repetitions (of each engine) before timing: the first backward on a new graph shape
 # pays for allocator growth and cold caches.
 WARMUP_REPS = 3

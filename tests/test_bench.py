@@ -4,6 +4,7 @@ benchmark's CSV, failures, the stock timeline of benchmarks/overlap.py, and the 
 
 import argparse
 import csv
+import importlib.util
 import itertools
 import json
 import os
@@ -603,3 +604,60 @@ def test_git_sha_ignores_a_repository_around_an_installed_package(monkeypatch, t
     sha = common.git_sha()
     assert sha == "nogit" or all(c in "0123456789abcdef" for c in sha)
     assert f"-{sha}-quick" in bench.default_folder(quick=True).name
+
+
+def test_recsys_torchrec_summary_from_a_csv(tmp_path):
+    size = "DLRM 8 tables x 256d table-wise, 18 dense layers, 2 hosts over a veth shaped to 1gbit"
+    write_rows(
+        tmp_path / "recsys_torchrec.csv",
+        [
+            ("stock", "recsys", size, "step_ms", 200, 190, 210),
+            ("stock", "recsys", size, "backward_ms", 150, 140, 160),
+            ("stock", "recsys", size, "wait_ms", 35, 34, 36),
+            ("stock", "recsys", size, "efficiency", 0.03, 0.03, 0.03),
+            ("torch_ext", "recsys", size, "step_ms", 170, 160, 180),
+            ("torch_ext", "recsys", size, "backward_ms", 120, 110, 130),
+            ("torch_ext", "recsys", size, "wait_ms", 10, 9, 11),
+            ("torch_ext", "recsys", size, "efficiency", 0.7, 0.7, 0.7),
+            ("comm", "recsys", size, "backward_ms", 36, 35, 37),
+        ],
+    )
+    rows = {row.variant: row for row in bench.summarize_folder(tmp_path, ["recsys_torchrec"])}
+    assert list(rows) == ["stock", "torch_ext"]
+    ours = rows["torch_ext"]
+    assert ours.case == "2 hosts over a veth shaped to 1gbit"
+    assert (ours.baseline, ours.measured, ours.ratio) == ("stock 200 ms/step", "170 ms/step", "0.85")
+    assert ours.values["efficiency"] == 0.7 and ours.values["backward_ratio"] == 0.8
+    assert "overlap efficiency 0.70" in ours.notes
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in ("torchrec", "fbgemm_gpu")), reason="TorchRec is not installed"
+)
+def test_recsys_torchrec_quick_run_matches_stock_and_reports(tmp_path):
+    """Its check of stock's bits (losses, dense gradients, tables after the fused update) passes, and the table
+    and CSV hold both engines' step, backward, wait and efficiency."""
+    out = tmp_path / "recsys.csv"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(bench.benchmarks_dir() / "recsys_torchrec.py"),
+            "--quick",
+            "--reps",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(out) as f:
+        metrics = {(row["what"], row["metric"]) for row in csv.DictReader(f)}
+    for variant in ("stock", "torch_ext"):
+        for metric in ("step_ms", "backward_ms", "wait_ms", "efficiency"):
+            assert (variant, metric) in metrics
+    assert ("comm", "backward_ms") in metrics
