@@ -117,7 +117,7 @@ def _installed_router() -> _Router:
     return _router
 
 
-class _routed:  # noqa: N801 - used like a function: `with _routed(priorities, api):`
+class _routed:  # lower case: used like a function, `with _routed(priorities, api):`
     """Sends this thread's next torch.autograd engine call to torch_ext's engine, with ``priorities``.
 
     A class rather than a @contextlib.contextmanager generator: entering and leaving it is part of every
