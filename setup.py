@@ -26,6 +26,10 @@ TORCHREC_DEPENDENCIES = [
     "pyre-extensions==0.0.32",
     "iopath==0.1.10",
 ]
+# Libraries whose programs the tests run on torch_ext's engine, each light and pure Python on CPU:
+# Megatron-core's synchronous MoE all_to_all (tests/distributed/test_sync_collectives.py; 0.16.1 is the
+# last release for Python 3.11) and a Hugging Face training loop (tests/test_plan_cache.py).
+CLIENT_LIBRARIES = ["megatron-core==0.16.1", "transformers==5.24.0"]
 
 
 class BuildWithInfo(BuildExtension):
@@ -66,7 +70,15 @@ setup(
         # only: there are no other wheels.
         "triton": [TRITON_REQUIREMENT],
         # tests/triton/ runs the kernels on CPU through Triton's interpreter.
-        "test": ["pytest", "hypothesis", TRITON_REQUIREMENT, "matplotlib", "tqdm", *TORCHREC_DEPENDENCIES],
+        "test": [
+            "pytest",
+            "hypothesis",
+            TRITON_REQUIREMENT,
+            "matplotlib",
+            "tqdm",
+            *TORCHREC_DEPENDENCIES,
+            *CLIENT_LIBRARIES,
+        ],
         # `python -m torch_ext bench`: its plots and progress bar (without them it prints lines and no plots).
         "bench": ["matplotlib", "tqdm"],
     },

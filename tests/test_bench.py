@@ -661,3 +661,21 @@ def test_recsys_torchrec_quick_run_matches_stock_and_reports(tmp_path):
         for metric in ("step_ms", "backward_ms", "wait_ms", "efficiency"):
             assert (variant, metric) in metrics
     assert ("comm", "backward_ms") in metrics
+
+
+def test_moe_sync_summary_from_a_csv(tmp_path):
+    size = "2048 tokens x 256d per expert, 4 dense layers, 2 hosts over a veth shaped to 1gbit"
+    write_rows(
+        tmp_path / "moe_sync.csv",
+        [
+            ("comm", "moe_sync", size, "backward_ms", 36, 35, 37),
+            ("stock", "moe_sync", size, "backward_ms", 74, 71, 79),
+            ("stock", "moe_sync", size, "all_to_all_node_ms", 36, 35, 37),
+            ("torch_ext", "moe_sync", size, "backward_ms", 74, 70, 80),
+            ("torch_ext", "moe_sync", size, "all_to_all_node_ms", 21, 20, 22),
+        ],
+    )
+    rows = {row.variant: row for row in bench.summarize_folder(tmp_path, ["moe_sync"])}
+    assert list(rows) == ["stock", "torch_ext"]
+    assert rows["torch_ext"].ratio == "1.00" and rows["torch_ext"].values["all_to_all_node_ms"] == 21
+    assert "synchronous" in rows["torch_ext"].notes

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import ModuleType
 
 # Every benchmark, in the order they run: cheapest first, so a broken install fails fast.
-BENCHMARK_NAMES = ("engine_overhead", "split_backward", "overlap", "recsys_torchrec", "kernels")
+BENCHMARK_NAMES = ("engine_overhead", "split_backward", "overlap", "recsys_torchrec", "moe_sync", "kernels")
 # Extra outputs a benchmark writes into the results folder: (option, file name).
 EXTRA_OUTPUTS = {"overlap": (("--timeline", "overlap_timeline.png"),)}
 # How often the progress display reads the running benchmark's log.
