@@ -63,7 +63,9 @@ BackwardCall::BackwardCall(
       // Read here, on the caller's thread: past stock's reentrant depth
       // limit the host task runs the driver on a pool thread, whose current
       // streams are not the caller's.
-      caller_streams_(current_accelerator_streams()) {
+      caller_streams_(current_accelerator_streams()),
+      has_accelerator_(
+          at::accelerator::getAccelerator(/*checked=*/false).has_value()) {
   if (!options_.accumulate_grad) {
     captured_.resize(inputs_.size());
   }
