@@ -46,6 +46,18 @@ def timed_call(fn: Callable[..., T], *args: object, **kwargs: object) -> tuple[i
             gc.enable()
 
 
+def median_backward_s(make_loss: Callable[[], torch.Tensor], reps: int) -> float:
+    """Median seconds of ``make_loss().backward()`` over ``reps`` calls, the forward not timed (a benchmark's
+    calibration of one layer's backward)."""
+    times = []
+    for _ in range(reps):
+        loss = make_loss()
+        start = time.perf_counter()
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def progress(message: str) -> None:
     """Prints a progress line: to stderr, flushed at once, so that stdout carries only results and
     whoever watches a run (a terminal, ``python -m torch_ext bench`` reading the log) sees where it is."""

@@ -92,6 +92,29 @@ def write_rank_result(directory: str, result: object) -> None:
     partial.replace(path)
 
 
+def agreed_max(value: float) -> float:
+    """In the script, on every rank: the largest of the ranks' ``value`` (a calibration all ranks must share)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def timed_all_to_all(send) -> float:
+    """In the script, on every rank: seconds of one ``all_to_all_single`` of ``send`` (equal splits), started
+    together (a barrier first): the communication alone, T_comm."""
+    import torch
+    import torch.distributed as dist
+
+    receive = torch.empty_like(send)
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_to_all_single(receive, send)
+    return time.perf_counter() - start
+
+
 def leave_rank() -> NoReturn:
     """In the script, on every rank, after ``write_rank_result`` (and ``destroy_process_group``): exits with
     status 0 at once, without the interpreter's and C++'s exit-time teardown. Ranks that had done all their

@@ -32,8 +32,16 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from _common import SummaryRow, bar_chart, csv_row, git_sha, progress, summarize, write_csv
-from _hosts import MODES, RANK_RESULTS_OPTION, leave_rank, run_on_two_hosts, write_rank_result
+from _common import SummaryRow, bar_chart, csv_row, git_sha, median_backward_s, progress, summarize, write_csv
+from _hosts import (
+    MODES,
+    RANK_RESULTS_OPTION,
+    agreed_max,
+    leave_rank,
+    run_on_two_hosts,
+    timed_all_to_all,
+    write_rank_result,
+)
 from torch import nn
 
 import torch_ext
@@ -90,30 +98,7 @@ def _backward(model: Layer, tokens: torch.Tensor, variant: str) -> tuple[float, 
 
 
 def _comm_only() -> float:
-    send = torch.randn(WORLD_SIZE * CAPACITY, DIM)
-    receive = torch.empty_like(send)
-    dist.barrier()
-    start = time.perf_counter()
-    dist.all_to_all_single(receive, send)
-    return time.perf_counter() - start
-
-
-def _dense_layer_backward_s(reps: int) -> float:
-    layer = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
-    x = torch.randn(WORLD_SIZE * CAPACITY, DIM, requires_grad=True)
-    times = []
-    for _ in range(reps):
-        loss = layer(x).sum()
-        start = time.perf_counter()
-        loss.backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _agreed_max(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
+    return timed_all_to_all(torch.randn(WORLD_SIZE * CAPACITY, DIM))
 
 
 def _run_rank(reps: int, warmup: int, calibration_reps: int) -> list[dict]:
@@ -121,8 +106,10 @@ def _run_rank(reps: int, warmup: int, calibration_reps: int) -> list[dict]:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     try:
-        t_comm = _agreed_max(statistics.median(_comm_only() for _ in range(calibration_reps)))
-        t_layer = _agreed_max(_dense_layer_backward_s(calibration_reps))
+        t_comm = agreed_max(statistics.median(_comm_only() for _ in range(calibration_reps)))
+        layer = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+        x = torch.randn(WORLD_SIZE * CAPACITY, DIM, requires_grad=True)
+        t_layer = agreed_max(median_backward_s(lambda: layer(x).sum(), calibration_reps))
         dense_layers = int(min(MAX_DENSE_LAYERS, max(1, round(t_comm / t_layer))))
         torch.manual_seed(rank)
         model = Layer(dense_layers)

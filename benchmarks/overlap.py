@@ -71,8 +71,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from _common import Summary, SummaryRow, bar_chart, csv_row, git_sha, progress, summarize, write_csv
-from _hosts import MODES, RANK_RESULTS_OPTION, leave_rank, run_on_two_hosts, write_rank_result
+from _common import Summary, SummaryRow, bar_chart, csv_row, git_sha, median_backward_s, progress, summarize, write_csv
+from _hosts import (
+    MODES,
+    RANK_RESULTS_OPTION,
+    agreed_max,
+    leave_rank,
+    run_on_two_hosts,
+    write_rank_result,
+)
 from torch import nn
 
 import torch_ext
@@ -191,24 +198,6 @@ def _step(model: Model, inputs, variant: str, dim: int) -> float:
     return _timed_backward(loss, on_torch_ext)
 
 
-def _dense_layer_backward_s(reps: int) -> float:
-    layer = nn.Linear(HIDDEN, HIDDEN)
-    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
-    times = []
-    for _ in range(reps):
-        loss = torch.relu(layer(x)).sum()
-        start = time.perf_counter()
-        loss.backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _agreed_max(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
-
-
 def _check_same_gradients(model: Model, inputs) -> None:
     """Every collective variant computes the same gradients, bit for bit."""
     reference = None
@@ -232,8 +221,9 @@ def _run_rank(config: Config) -> list[dict]:
     torch.manual_seed(rank)
     try:
         dim = config.embedding_dim
-        t_comm = _agreed_max(statistics.median(_comm_only(dim) for _ in range(config.calibration_reps)))
-        t_layer = _agreed_max(_dense_layer_backward_s(config.calibration_reps))
+        t_comm = agreed_max(statistics.median(_comm_only(dim) for _ in range(config.calibration_reps)))
+        layer, x = nn.Linear(HIDDEN, HIDDEN), torch.randn(BATCH, HIDDEN, requires_grad=True)
+        t_layer = agreed_max(median_backward_s(lambda: torch.relu(layer(x)).sum(), config.calibration_reps))
         dense_layers = int(min(MAX_DENSE_LAYERS, max(1, round(t_comm / t_layer))))
         model = Model(dim, dense_layers)
         inputs = (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))

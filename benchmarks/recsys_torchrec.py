@@ -51,8 +51,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from _common import Summary, SummaryRow, bar_chart, csv_row, git_sha, progress, summarize, write_csv
-from _hosts import MODES, RANK_RESULTS_OPTION, leave_rank, run_on_two_hosts, write_rank_result
+from _common import Summary, SummaryRow, bar_chart, csv_row, git_sha, median_backward_s, progress, summarize, write_csv
+from _hosts import (
+    MODES,
+    RANK_RESULTS_OPTION,
+    agreed_max,
+    leave_rank,
+    run_on_two_hosts,
+    timed_all_to_all,
+    write_rank_result,
+)
 
 import torch_ext
 
@@ -186,30 +194,7 @@ def _step(model, dense_params, batch, variant: str, wait_timer: WaitTimer) -> tu
 
 def _comm_only() -> float:
     """The pooled gradient's all_to_all alone: each rank sends the other BATCH * TABLES/2 * DIM floats."""
-    send = torch.randn(WORLD_SIZE * BATCH * (TABLES // 2) * DIM)
-    receive = torch.empty_like(send)
-    dist.barrier()
-    start = time.perf_counter()
-    dist.all_to_all_single(receive, send)
-    return time.perf_counter() - start
-
-
-def _dense_layer_backward_s(reps: int) -> float:
-    layer = torch.nn.Linear(HIDDEN, HIDDEN)
-    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
-    times = []
-    for _ in range(reps):
-        loss = torch.relu(layer(x)).sum()
-        start = time.perf_counter()
-        loss.backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _agreed_max(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
+    return timed_all_to_all(torch.randn(WORLD_SIZE * BATCH * (TABLES // 2) * DIM))
 
 
 def _local_tables(model) -> list[torch.Tensor]:
@@ -253,8 +238,9 @@ def _run_rank(config: Config) -> list[dict]:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     try:
-        t_comm = _agreed_max(statistics.median(_comm_only() for _ in range(config.calibration_reps)))
-        t_layer = _agreed_max(_dense_layer_backward_s(config.calibration_reps))
+        t_comm = agreed_max(statistics.median(_comm_only() for _ in range(config.calibration_reps)))
+        layer, x = torch.nn.Linear(HIDDEN, HIDDEN), torch.randn(BATCH, HIDDEN, requires_grad=True)
+        t_layer = agreed_max(median_backward_s(lambda: torch.relu(layer(x)).sum(), config.calibration_reps))
         dense_layers = int(min(MAX_DENSE_LAYERS, max(1, round(t_comm / t_layer))))
         _check_same_bits(dense_layers, rank)
         model = _dlrm(dense_layers)

@@ -23,31 +23,23 @@ def _built_for() -> str | None:
 # TORCH_EXT_CURRENT_NODE: "on" (the default) makes each node the current autograd node while it runs
 # where that can be done safely; "off" forces the portable path (torch_ext.current_node_supported()).
 CURRENT_NODE_VARIABLE = "TORCH_EXT_CURRENT_NODE"
-CURRENT_NODE_MODES = ("on", "off")
-
-
-def _check_current_node_mode() -> None:
-    mode = os.environ.get(CURRENT_NODE_VARIABLE, "on")
-    if mode not in CURRENT_NODE_MODES:
-        raise ValueError(f"{CURRENT_NODE_VARIABLE} must be one of {CURRENT_NODE_MODES}, got {mode!r}")
-
-
 # TORCH_EXT_PLAN_CACHE: "on" (the default) replays a backward plan on later calls of the same graph
 # structure (csrc/plan_cache.h); "off" plans every call afresh.
 PLAN_CACHE_VARIABLE = "TORCH_EXT_PLAN_CACHE"
-PLAN_CACHE_MODES = ("on", "off")
+SWITCH_MODES = ("on", "off")
 
 
-def _plan_cache_mode() -> str:
-    mode = os.environ.get(PLAN_CACHE_VARIABLE, "on")
-    if mode not in PLAN_CACHE_MODES:
-        raise ValueError(f"{PLAN_CACHE_VARIABLE} must be one of {PLAN_CACHE_MODES}, got {mode!r}")
-    return mode
+def _switch(variable: str) -> bool:
+    """Whether the on/off environment switch ``variable`` is on (the default); any other value is an error."""
+    mode = os.environ.get(variable, "on")
+    if mode not in SWITCH_MODES:
+        raise ValueError(f"{variable} must be one of {SWITCH_MODES}, got {mode!r}")
+    return mode == "on"
 
 
 def load_extension():
-    _check_current_node_mode()
-    plan_cache_on = _plan_cache_mode() == "on"
+    _switch(CURRENT_NODE_VARIABLE)  # read by the C++ engine itself; checked here
+    plan_cache_on = _switch(PLAN_CACHE_VARIABLE)
     built_for = _built_for()
     found = torch.__version__
     if built_for is None:
