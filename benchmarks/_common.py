@@ -47,8 +47,11 @@ def timed_call(fn: Callable[..., T], *args: object, **kwargs: object) -> tuple[i
 
 
 def median_backward_s(make_loss: Callable[[], torch.Tensor], reps: int) -> float:
-    """Median seconds of ``make_loss().backward()`` over ``reps`` calls, the forward not timed (a benchmark's
-    calibration of one layer's backward)."""
+    """Median seconds of ``make_loss().backward()`` over ``reps`` calls after one untimed call, the forward not
+    timed (a benchmark's calibration of one layer's backward). The untimed call: the first backward of a new
+    layer pays for allocator growth and cold caches.
+    """
+    make_loss().backward()
     times = []
     for _ in range(reps):
         loss = make_loss()

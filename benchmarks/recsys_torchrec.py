@@ -71,7 +71,7 @@ DIM = 256
 BATCH = 512
 DENSE_FEATURES = 256
 HIDDEN = 256
-MAX_DENSE_LAYERS = 24
+MAX_DENSE_LAYERS = 40
 LEARNING_RATE = 0.01
 # TorchRec's Req/Wait pair for pooled embeddings: which node launches the backward all_to_all, which waits.
 LAUNCH, WAIT = "All2All_Pooled_WaitBackward", "All2All_Pooled_ReqBackward"
@@ -272,7 +272,12 @@ def _run_rank(config: Config) -> list[dict]:
                 title=f"TorchRec DLRM backward on rank 0 under torch_ext ({dense_layers} dense layers)",
             )
             print(f"wrote {config.timeline_png}")
-        result = {"samples": samples, "dense_layers": dense_layers, "t_comm_s": t_comm, "t_layer_s": t_layer}
+        result = {
+            "samples": samples,
+            "dense_layers": dense_layers,
+            "t_comm_s": t_comm,
+            "t_layer_s": t_layer,
+        }
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         return gathered
@@ -331,7 +336,9 @@ def report(result: dict, link: str, out: str) -> list:
     )
     write_csv(out, rows)
 
-    print(f"\nrecsys_torchrec: {size}; T_comm {t_comm * 1e3:.1f} ms")
+    print(
+        f"\nrecsys_torchrec: {size}; T_comm {t_comm * 1e3:.1f} ms, one dense layer {result['t_layer_s'] * 1e3:.2f} ms"
+    )
     print(
         f"{'variant':<10} {'step ms: median [p20-p80]':<28} {'/stock':>7} {'backward ms':<24} {'/stock':>7} {'wait ms':>8} {'efficiency':>11}"
     )
