@@ -363,7 +363,10 @@ def _config(args: argparse.Namespace) -> Config:
     return Config(
         reps=args.reps or (5 if args.quick else 20),
         warmup=1 if args.quick else 2,
-        calibration_reps=3 if args.quick else 5,
+        # One dense layer's backward, timed while the other rank times its own on the second core: with 3-5
+        # repetitions the slower rank's median ranged 1.0-2.6 ms between runs (14-35 layers, efficiency
+        # 0.40-0.99); with 9-15 it stayed at 0.96-1.01 ms (31-38 layers, 0.86-0.99).
+        calibration_reps=9 if args.quick else 15,
         timeline_png=timeline_png,
     )
 
