@@ -477,7 +477,10 @@ def _config(args: argparse.Namespace) -> Config:
         payload_mib=args.payload_mib or (2.0 if args.quick else 4.0),
         reps=args.reps or (8 if args.quick else 30),
         warmup=1 if args.quick else 3,
-        calibration_reps=3 if args.quick else 7,
+        # As recsys_torchrec.py found, the slower rank's median per-layer time varies between runs on these 2
+        # shared cores, and the dense depth with it. Quick runs with 3 repetitions: 3-7 layers, torch_ext's
+        # efficiency 0.40-0.84; with 9: 4-6 layers, 0.71-0.90 (three runs).
+        calibration_reps=9 if args.quick else 15,
         timeline_png=timeline_png,
     )
 
