@@ -5,6 +5,9 @@ stock's; only the engine call lands on torch_ext, on the calling thread, with th
 """
 
 import collections
+import logging
+import re
+import sys
 import threading
 import types
 import warnings
@@ -261,3 +264,157 @@ def test_op_backward_with_empty_inputs_raises_like_stock():
         lambda: torch.autograd.backward([leaf(2).sum()], [None], inputs=[]),
         lambda: torch.ops.torch_ext.backward([leaf(2).sum()], [None], inputs=[]),
     )
+
+
+# ---------------------------------------------------------------- the plain call skips stock's Python
+
+
+def python_functions_called(call) -> set[str]:
+    """Names of the Python functions ``call()`` enters (its own frame's callees, at any depth)."""
+    names = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            names.add(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+PLAIN_CALLS = {
+    "backward": lambda x: torch_ext.backward((x.sin() * 2).sum()),
+    "backward_retain_graph": lambda x: torch_ext.backward((x.sin() * 2).sum(), retain_graph=True),
+    "grad_one_input": lambda x: torch_ext.grad((x.sin() * 2).sum(), x),
+    "grad_list_create_graph": lambda x: torch_ext.grad((x.sin() * 2).sum(), [x], create_graph=True),
+}
+
+
+@pytest.mark.parametrize("call", PLAIN_CALLS)
+def test_plain_calls_skip_stock_python_and_keep_its_bits(call):
+    def run(direct: bool):
+        torch.manual_seed(0)
+        x = leaf(3)
+        names = python_functions_called(lambda: results.append(PLAIN_CALLS[call](x)))
+        return names, x.grad, results.pop()
+
+    results = []
+    names, ext_grad, ext_result = run(direct=True)
+    assert "_make_grads" not in names and "_engine_run_backward" not in names
+    torch.manual_seed(0)
+    x = leaf(3)
+    loss = (x.sin() * 2).sum()
+    if call.startswith("backward"):
+        torch.autograd.backward(loss)
+        assert torch.equal(ext_grad, x.grad)
+    else:
+        (stock,) = torch.autograd.grad(loss, x)
+        assert torch.equal(ext_result[0], stock)
+
+
+GIVEN_MORE = {
+    "grad_tensors": lambda x: torch_ext.backward(x.sin() * 2, grad_tensors=torch.ones(3)),
+    "inputs": lambda x: torch_ext.backward((x.sin() * 2).sum(), inputs=[x]),
+    "grad_outputs": lambda x: torch_ext.grad(x.sin() * 2, x, grad_outputs=torch.ones(3)),
+    "materialize_grads": lambda x: torch_ext.grad((x.sin() * 2).sum(), [x, leaf(1)], materialize_grads=True),
+    "inputs_dict": lambda x: torch_ext.grad((x.sin() * 2).sum(), {"x": x}),
+}
+
+
+@pytest.mark.parametrize("call", GIVEN_MORE)
+def test_other_calls_go_through_stock_python(call):
+    assert "_make_grads" in python_functions_called(lambda: GIVEN_MORE[call](leaf(3)))
+
+
+@pytest.mark.parametrize("api", ["backward", "grad"])
+def test_a_patched_torch_autograd_function_is_called(api, monkeypatch):
+    calls = []
+    stock = getattr(torch.autograd, api)
+
+    def patched(*args, **kwargs):
+        calls.append(api)
+        return stock(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, api, patched)
+    x = leaf(3)
+    with torch_ext.trace() as traced:
+        getattr(torch_ext, api)(*(((x * 2).sum(),) if api == "backward" else ((x * 2).sum(), x)))
+    assert calls == [api] and len(backward_calls(traced)) == 1
+
+
+class RecordsAutogradFunctions(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.funcs = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.autograd.backward, torch.autograd.grad):
+            self.funcs.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("api", ["backward", "grad"])
+def test_a_torch_function_mode_sees_the_plain_call(api):
+    def run(module):
+        x = leaf(3)
+        loss = (x * 2).sum()
+        with RecordsAutogradFunctions() as mode:
+            getattr(module, api)(*((loss,) if api == "backward" else (loss, x)))
+        return mode.funcs
+
+    assert run(torch_ext) == run(torch.autograd) == [getattr(torch.autograd, api)]
+
+
+class RecordsMessages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        # Node addresses differ between the two runs.
+        self.messages.append(re.sub(r" at 0x[0-9a-f]+", "", record.getMessage()))
+
+
+def test_autograd_debug_logging_is_stock():
+    def logged(backward):
+        torch.manual_seed(0)
+        x = leaf(3)
+        log = logging.getLogger("torch.autograd.graph")
+        handler, level = RecordsMessages(), log.level
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG)
+        try:
+            backward((x.sin() * 2).sum())
+        finally:
+            log.removeHandler(handler)
+            log.setLevel(level)
+        return handler.messages
+
+    stock = logged(torch.autograd.backward)
+    assert len(stock) == 4 and logged(torch_ext.backward) == stock
+
+
+class ReportsStashedContext(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        ReportsStashedContext.seen.append(torch._C._is_key_in_tls("context"))
+        return grad * 2
+
+
+@pytest.mark.parametrize("api", ["backward", "grad"])
+def test_nodes_see_the_stashed_context_variables_as_on_stock(api):
+    def run(module):
+        ReportsStashedContext.seen = []
+        x = leaf(3)
+        loss = ReportsStashedContext.apply(x).sum()
+        getattr(module, api)(*((loss,) if api == "backward" else (loss, x)))
+        return ReportsStashedContext.seen + [torch._C._is_key_in_tls("context")]
+
+    assert run(torch_ext) == run(torch.autograd) == [True, False]
