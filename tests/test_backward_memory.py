@@ -1,0 +1,278 @@
+"""Peak tensor memory of one backward call: stock PyTorch's engine against torch_ext's.
+
+torch_ext's engine releases a gradient as soon as its last reader has run (an input buffer when its
+node has run, a node's outputs once delivered), so no graph should need more memory under it than
+under stock's engine. Every graph here is built twice from the same seed, and one engine call runs on
+each copy: ``torch.autograd.backward``/``grad`` (stock) and ``torch_ext.backward``/``grad``. Asserted
+per graph: torch_ext's peak is at most stock's, and the gradients are torch.equal; the same for the
+third call of a structure, which replays the plan torch_ext cached from the first two. Two graphs given
+a priority exceed stock's peak by one gradient (EXCEEDS_STOCK, marked xfail with the figures).
+
+Method: ``torch.profiler.profile(activities=[CPU], profile_memory=True)`` is on from before the graph
+is built, and ``record_function`` marks the engine call. With memory profiling on, c10's CPU allocator
+reports every allocation and free (c10::ProfiledCPUMemoryReporter) together with the running total of
+the bytes it has handed out and not yet taken back, computed under the reporter's lock, so
+allocations from every thread are summed in the order they happened. The profiler records these as
+allocation events (``kineto_results.experimental_event_tree()``, ``total_allocated``). The peak of a
+call is the largest running total reported during its range, minus the total just before the range's
+first event: the bytes above the level at call start, counting everything the engine allocates
+(gradients, input buffers, node temporaries) and everything it frees (those, and the forward's saved
+tensors, which the reporter tracks because the graph was built under the profiler).
+
+What it does not see: an allocation on a thread that does not carry the profiler's thread-local
+state (a plain Python thread started inside the call). Both engines run every CPU node on the calling
+thread (checked for these graphs when this was written: every allocation event came from it, and the
+figures are the same with 1 and 2 intra-op threads). The profiler also turns on RecordFunction callbacks,
+which changes code paths (both engines then record a range per node); both engines are measured the
+same way. The figures are exact byte counts and repeat run to run (checked below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import torch_ext
+from torch_ext import _C
+
+# The profiler range around the one engine call whose memory is measured.
+CALL_RANGE = "test_backward_memory::engine_call"
+# A structure's plan is kept from its second call on: the third call is the first replay.
+FIRST_REPLAY = 3
+# Any positive priority reorders; 10 as in the issue's example.
+PRIORITY = 10
+
+MLP_DEPTH = 8
+MLP_WIDTH = 512
+MLP_BATCH = 64
+FAN_IN_BRANCHES = 64
+FAN_IN_NUMEL = 4096
+CHAIN_NUMEL = 1 << 20
+CHAIN_OPS = 50
+REUSED_NUMEL = 1 << 20
+
+
+@dataclasses.dataclass
+class Graph:
+    loss: torch.Tensor
+    # Whose .grad backward() fills and the test compares.
+    leaves: list[torch.Tensor]
+    # grad(loss, grad_inputs) instead of backward(loss) when set.
+    grad_inputs: list[torch.Tensor] | None = None
+    # torch_ext's call is given priorities={priority_target: PRIORITY}; stock has no such argument.
+    priority_target: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    name: str
+    backward: Callable
+    grad: Callable
+    takes_priorities: bool
+
+
+STOCK = Engine("stock", torch.autograd.backward, torch.autograd.grad, takes_priorities=False)
+TORCH_EXT = Engine("torch_ext", torch_ext.backward, torch_ext.grad, takes_priorities=True)
+
+
+def deep_mlp() -> Graph:
+    blocks = [(nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.GELU()) for _ in range(MLP_DEPTH)]
+    model = nn.Sequential(*[module for block in blocks for module in block])
+    x = torch.randn(MLP_BATCH, MLP_WIDTH, requires_grad=True)
+    return Graph(model(x).sum(), leaves=[*model.parameters(), x])
+
+
+def deep_mlp_grad_of_input() -> Graph:
+    graph = deep_mlp()
+    graph.grad_inputs = [graph.leaves[-1]]
+    return graph
+
+
+def fan_in(prioritized_branch: int | None = None) -> Graph:
+    """One leaf, many branches: the leaf's input buffer sums FAN_IN_BRANCHES gradients."""
+    x = torch.randn(FAN_IN_NUMEL, requires_grad=True)
+    # Distinct factors: the sum's bits depend on the order the branches are added in.
+    factors = torch.randn(FAN_IN_BRANCHES)
+    branches = [x * factors[i] for i in range(FAN_IN_BRANCHES)]
+    target = None if prioritized_branch is None else branches[prioritized_branch]
+    return Graph(torch.stack(branches).sum(), leaves=[x], priority_target=target)
+
+
+def elementwise_chain() -> Graph:
+    """mul/add/sin in turn: add saves nothing, mul a scalar, sin its input (freed when its node runs)."""
+    x = torch.randn(CHAIN_NUMEL, requires_grad=True)
+    h = x
+    for i in range(CHAIN_OPS):
+        h = (h * 1.0001) if i % 3 == 0 else (h + 0.001) if i % 3 == 1 else h.sin()
+    return Graph(h.sum(), leaves=[x])
+
+
+def reused_intermediate(prioritized: str | None = None) -> Graph:
+    """``h`` feeds three ops: its input buffer sums three gradients before SinBackward0 reads it."""
+    x = torch.randn(REUSED_NUMEL, requires_grad=True)
+    h = x.sin()
+    readers = {"exp": (h * 2).exp(), "cos": h.cos(), "tanh": h.tanh()}
+    loss = (readers["exp"] + readers["cos"] + readers["tanh"]).sum()
+    target = None if prioritized is None else readers[prioritized]
+    return Graph(loss, leaves=[x], priority_target=target)
+
+
+def run_engine(engine: Engine, graph: Graph) -> list[torch.Tensor]:
+    kwargs = {}
+    if engine.takes_priorities and graph.priority_target is not None:
+        kwargs["priorities"] = {graph.priority_target: PRIORITY}
+    if graph.grad_inputs is not None:
+        return list(engine.grad(graph.loss, graph.grad_inputs, **kwargs))
+    engine.backward(graph.loss, **kwargs)
+    return [leaf.grad for leaf in graph.leaves]
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    peak_bytes: int
+    gradients: list[torch.Tensor]
+
+
+def _all_events(roots) -> list:
+    events, stack = [], list(roots)
+    while stack:
+        event = stack.pop()
+        events.append(event)
+        stack.extend(event.children)
+    return events
+
+
+def call_peak_bytes(profiler: profile) -> int:
+    """The most bytes above the level at the start of CALL_RANGE that the CPU allocator held during it."""
+    events = _all_events(profiler.profiler.kineto_results.experimental_event_tree())
+    (call,) = [event for event in events if event.name == CALL_RANGE]
+    allocations = sorted(
+        (
+            event
+            for event in events
+            if event.tag == _EventType.Allocation and call.start_time_ns <= event.start_time_ns <= call.end_time_ns
+        ),
+        key=lambda event: event.start_time_ns,
+    )
+    if not allocations:
+        return 0
+    first = allocations[0].typed[1]
+    level_at_start = first.total_allocated - first.alloc_size
+    return max(0, max(event.typed[1].total_allocated for event in allocations) - level_at_start)
+
+
+def measure(build: Callable[[], Graph], engine: Engine) -> Measured:
+    """Builds a graph (seeded) and runs one engine call on it, both under the memory profiler."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        torch.manual_seed(0)
+        graph = build()
+        with record_function(CALL_RANGE):
+            gradients = run_engine(engine, graph)
+    return Measured(call_peak_bytes(profiler), gradients)
+
+
+def _assert_equal_gradients(stock: Measured, ours: Measured) -> None:
+    assert len(stock.gradients) == len(ours.gradients)
+    for expected, got in zip(stock.gradients, ours.gradients, strict=True):
+        assert torch.equal(expected, got)
+
+
+GRAPHS: dict[str, Callable[[], Graph]] = {
+    "deep_mlp": deep_mlp,
+    "deep_mlp_grad_of_input": deep_mlp_grad_of_input,
+    "fan_in": fan_in,
+    "elementwise_chain": elementwise_chain,
+    "reused_intermediate": reused_intermediate,
+    # Reorders (TanhBackward0 runs before the inner AddBackward0) at no cost in memory.
+    "reused_intermediate_priority_tanh": lambda: reused_intermediate("tanh"),
+    "reused_intermediate_priority_exp": lambda: reused_intermediate("exp"),
+    "fan_in_priority_branch_0": lambda: fan_in(prioritized_branch=0),
+}
+# Graphs whose torch_ext peak exceeds stock's, with the measured figures: both come from a priority,
+# through the order it asks for, or through summing in stock's order despite it.
+EXCEEDS_STOCK = {
+    "reused_intermediate_priority_exp": (
+        "priorities reorder as asked, and the reordered schedule holds more: ExpBackward0 runs before "
+        "TanhBackward0 and CosBackward0, and its 4 MiB output waits for its reader MulBackward0 meanwhile. "
+        "Measured: stock 12,582,916 B, torch_ext 16,777,220 B (+4,194,304 B, one gradient)."
+    ),
+    "fan_in_priority_branch_0": (
+        "bit-stable accumulation holds branch 0's gradient, which stock adds last, until the 63 others "
+        "have been added (csrc/schedule_replay.h). Measured: stock 32,772 B, torch_ext 49,156 B "
+        "(+16,384 B, one gradient; _held_gradient_stats peak_held_bytes 16,384)."
+    ),
+}
+CASES = [
+    pytest.param(
+        build,
+        id=name,
+        marks=[pytest.mark.xfail(strict=False, reason=EXCEEDS_STOCK[name])] if name in EXCEEDS_STOCK else [],
+    )
+    for name, build in GRAPHS.items()
+]
+PRIORITY_GRAPHS = [name for name in GRAPHS if "priority" in name]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engines_warmed_up():
+    # torch_ext's first call in a process allocates the 4-byte gradient its driver node is declared with
+    # (driver_dummy_grad, csrc/host_task.cpp), kept for the life of the process: a one-time cost that
+    # would otherwise show in whichever call comes first.
+    for engine in (STOCK, TORCH_EXT):
+        x = torch.ones(2, requires_grad=True)
+        engine.backward((x * 2).sum())
+
+
+@pytest.fixture(autouse=True)
+def fresh_plan_cache():
+    # Every test starts with no plan kept, so that a torch_ext call discovers its plan unless the test
+    # has made the same structure before.
+    previous = _C._set_plan_cache(True)
+    _C._clear_plan_cache()
+    _C._plan_cache_stats(True)
+    yield
+    _C._set_plan_cache(previous)
+
+
+@pytest.mark.parametrize("build", CASES)
+def test_peak_is_at_most_stocks(build):
+    stock = measure(build, STOCK)
+    ours = measure(build, TORCH_EXT)
+    _assert_equal_gradients(stock, ours)
+    assert ours.peak_bytes <= stock.peak_bytes, (ours.peak_bytes, stock.peak_bytes)
+
+
+@pytest.mark.parametrize("build", CASES)
+def test_replayed_plan_peak_is_at_most_stocks(build):
+    stock = measure(build, STOCK)
+    for call in range(1, FIRST_REPLAY + 1):
+        hits = _C._plan_cache_stats(False)["hits"]
+        ours = measure(build, TORCH_EXT)
+        replayed = _C._plan_cache_stats(False)["hits"] > hits
+        assert replayed == (call == FIRST_REPLAY), call
+        _assert_equal_gradients(stock, ours)
+        assert ours.peak_bytes <= stock.peak_bytes, (call, ours.peak_bytes, stock.peak_bytes)
+
+
+@pytest.mark.parametrize("build", GRAPHS.values(), ids=GRAPHS.keys())
+def test_measurement_repeats_exactly(build):
+    # With the plan cache off, each torch_ext call takes the same path (discovery) as the one before.
+    _C._set_plan_cache(False)
+    for engine in (STOCK, TORCH_EXT):
+        peaks = [measure(build, engine).peak_bytes for _ in range(3)]
+        assert peaks[0] > 0 and peaks.count(peaks[0]) == 3, (engine.name, peaks)
+
+
+@pytest.mark.parametrize("name", PRIORITY_GRAPHS)
+def test_priorities_reorder(name):
+    # A priority graph measures a reordered schedule only if its priority changes torch_ext's order.
+    graph = GRAPHS[name]()
+    priorities = {graph.priority_target: PRIORITY}
+    plain = torch_ext.execution_order(graph.loss)
+    assert torch_ext.execution_order(graph.loss, priorities=priorities) != plain
