@@ -18,18 +18,10 @@ peak is any higher than stock's. Graphs (as in tests/test_backward_memory.py, wh
                             fan-in is added last by stock, so bit-stable accumulation holds its
                             gradient until the other 63 are in.
 
-Method: the graph is built and one engine call run under ``torch.profiler.profile(activities=[CPU],
-profile_memory=True)``, with ``record_function`` around the call. With memory profiling on, c10's CPU
-allocator reports every allocation and free (c10::ProfiledCPUMemoryReporter) with the running total of
-live bytes, computed under the reporter's lock, so every thread's allocations are summed in the order
-they happened; the profiler keeps these as allocation events (``kineto_results.experimental_event_tree()``,
-``total_allocated``). A call's peak is the largest total during its range minus the total just before
-its first event: bytes above the level at call start. It counts what the engine allocates (gradients,
-input buffers, node temporaries) and what it frees, the forward's saved tensors included, since the
-graph was built under the profiler. Not seen: allocations on a thread without the profiler's
-thread-local state (a plain Python thread); both engines run every CPU node on the calling thread.
-The profiler turns RecordFunction callbacks on, which changes code paths (both engines then record a
-range per node); both are measured the same way.
+Method (torch_ext/memory.py): the CPU allocator's running total of live bytes, reported to the memory
+profiler at every allocation and free from every thread; the graph is built under the tracker so the
+forward's saved tensors that backward frees are counted; a call's peak is the most bytes above the
+level at its start. The profiler turns on RecordFunction callbacks for both engines alike.
 
 Each graph is built afresh from the same seed for every call. Per graph: stock ``--runs`` times;
 torch_ext ``--runs`` times with its plan cache off (every call discovers its plan, as a structure's
@@ -51,13 +43,11 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import torch_ext
 from torch_ext import _C
+from torch_ext.memory import PeakMemory
 
-CALL_RANGE = "backward_memory::engine_call"
 # A structure's plan is kept from its second call on: the third call is the first replay.
 FIRST_REPLAY = 3
 PRIORITY = 10
@@ -147,42 +137,14 @@ def run_engine(engine: Engine, graph: Graph) -> list[torch.Tensor]:
     return [leaf.grad for leaf in graph.leaves]
 
 
-def _all_events(roots) -> list:
-    events, stack = [], list(roots)
-    while stack:
-        event = stack.pop()
-        events.append(event)
-        stack.extend(event.children)
-    return events
-
-
-def call_peak_bytes(profiler: profile) -> int:
-    """The most bytes above the level at the start of CALL_RANGE that the CPU allocator held during it."""
-    events = _all_events(profiler.profiler.kineto_results.experimental_event_tree())
-    (call,) = [event for event in events if event.name == CALL_RANGE]
-    allocations = sorted(
-        (
-            event
-            for event in events
-            if event.tag == _EventType.Allocation and call.start_time_ns <= event.start_time_ns <= call.end_time_ns
-        ),
-        key=lambda event: event.start_time_ns,
-    )
-    if not allocations:
-        return 0
-    first = allocations[0].typed[1]
-    level_at_start = first.total_allocated - first.alloc_size
-    return max(0, max(event.typed[1].total_allocated for event in allocations) - level_at_start)
-
-
 def measure(build: Callable[[], Graph], engine: Engine) -> tuple[int, list[torch.Tensor]]:
-    """Builds a graph (seeded) and runs one engine call on it under the memory profiler: (peak bytes, gradients)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    """Builds a graph (seeded) and runs one engine call on it under the memory tracker: (peak bytes, gradients)."""
+    with PeakMemory() as memory:
         torch.manual_seed(0)
         graph = build()
-        with record_function(CALL_RANGE):
+        with memory.region():
             gradients = run_engine(engine, graph)
-    return call_peak_bytes(profiler), gradients
+    return memory.peak_bytes, gradients
 
 
 def check_same(name: str, expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:

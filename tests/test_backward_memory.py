@@ -8,23 +8,13 @@ per graph: torch_ext's peak is at most stock's, and the gradients are torch.equa
 third call of a structure, which replays the plan torch_ext cached from the first two. Two graphs given
 a priority exceed stock's peak by one gradient (EXCEEDS_STOCK, marked xfail with the figures).
 
-Method: ``torch.profiler.profile(activities=[CPU], profile_memory=True)`` is on from before the graph
-is built, and ``record_function`` marks the engine call. With memory profiling on, c10's CPU allocator
-reports every allocation and free (c10::ProfiledCPUMemoryReporter) together with the running total of
-the bytes it has handed out and not yet taken back, computed under the reporter's lock, so
-allocations from every thread are summed in the order they happened. The profiler records these as
-allocation events (``kineto_results.experimental_event_tree()``, ``total_allocated``). The peak of a
-call is the largest running total reported during its range, minus the total just before the range's
-first event: the bytes above the level at call start, counting everything the engine allocates
-(gradients, input buffers, node temporaries) and everything it frees (those, and the forward's saved
-tensors, which the reporter tracks because the graph was built under the profiler).
-
-What it does not see: an allocation on a thread that does not carry the profiler's thread-local
-state (a plain Python thread started inside the call). Both engines run every CPU node on the calling
-thread (checked for these graphs when this was written: every allocation event came from it, and the
-figures are the same with 1 and 2 intra-op threads). The profiler also turns on RecordFunction callbacks,
-which changes code paths (both engines then record a range per node); both engines are measured the
-same way. The figures are exact byte counts and repeat run to run (checked below).
+Method (torch_ext/memory.py): the CPU allocator's running total of live bytes, reported to the memory
+profiler at every allocation and free from every thread; the graph is built under the tracker so the
+forward's saved tensors that backward frees are counted. A call's peak is the most bytes above the
+level at its start. Both engines run every CPU node on the calling thread (checked for these graphs
+when this was written: every allocation event came from it, and the figures are the same with 1 and 2
+intra-op threads). The profiler turns on RecordFunction callbacks for both engines alike. The figures
+are exact byte counts and repeat run to run (checked below).
 """
 
 from __future__ import annotations
@@ -35,14 +25,11 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import torch_ext
 from torch_ext import _C
+from torch_ext.memory import PeakMemory
 
-# The profiler range around the one engine call whose memory is measured.
-CALL_RANGE = "test_backward_memory::engine_call"
 # A structure's plan is kept from its second call on: the third call is the first replay.
 FIRST_REPLAY = 3
 # Any positive priority reorders; 10 as in the issue's example.
@@ -139,42 +126,14 @@ class Measured:
     gradients: list[torch.Tensor]
 
 
-def _all_events(roots) -> list:
-    events, stack = [], list(roots)
-    while stack:
-        event = stack.pop()
-        events.append(event)
-        stack.extend(event.children)
-    return events
-
-
-def call_peak_bytes(profiler: profile) -> int:
-    """The most bytes above the level at the start of CALL_RANGE that the CPU allocator held during it."""
-    events = _all_events(profiler.profiler.kineto_results.experimental_event_tree())
-    (call,) = [event for event in events if event.name == CALL_RANGE]
-    allocations = sorted(
-        (
-            event
-            for event in events
-            if event.tag == _EventType.Allocation and call.start_time_ns <= event.start_time_ns <= call.end_time_ns
-        ),
-        key=lambda event: event.start_time_ns,
-    )
-    if not allocations:
-        return 0
-    first = allocations[0].typed[1]
-    level_at_start = first.total_allocated - first.alloc_size
-    return max(0, max(event.typed[1].total_allocated for event in allocations) - level_at_start)
-
-
 def measure(build: Callable[[], Graph], engine: Engine) -> Measured:
-    """Builds a graph (seeded) and runs one engine call on it, both under the memory profiler."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    """Builds a graph (seeded) and runs one engine call on it, both under the memory tracker."""
+    with PeakMemory() as memory:
         torch.manual_seed(0)
         graph = build()
-        with record_function(CALL_RANGE):
+        with memory.region():
             gradients = run_engine(engine, graph)
-    return Measured(call_peak_bytes(profiler), gradients)
+    return Measured(memory.peak_bytes, gradients)
 
 
 def _assert_equal_gradients(stock: Measured, ours: Measured) -> None:
@@ -276,3 +235,45 @@ def test_priorities_reorder(name):
     priorities = {graph.priority_target: PRIORITY}
     plain = torch_ext.execution_order(graph.loss)
     assert torch_ext.execution_order(graph.loss, priorities=priorities) != plain
+
+
+def test_peak_memory_counts_a_known_allocation():
+    # 1000 float32 elements held at once: 4000 bytes above the level at the region's start, while an
+    # allocation freed before the region does not count.
+    with PeakMemory() as memory:
+        before = torch.empty(5000)
+        del before
+        with memory.region():
+            held = torch.empty(1000)
+            del held
+    assert memory.peak_bytes == 4000
+
+
+def test_peak_memory_sees_frees_only_of_tensors_made_under_it():
+    # Freeing 4000 bytes and then allocating 4000 stays at the starting level, if the freed block was
+    # allocated under the tracker; one allocated before it is invisible to the reporter.
+    made_before = torch.empty(1000)
+    with PeakMemory() as memory:
+        made_under = torch.empty(1000)
+        with memory.region():
+            del made_under
+            replacement = torch.empty(1000)
+    assert memory.peak_bytes == 0
+    with PeakMemory() as memory, memory.region():
+        del made_before
+        replacement = torch.empty(1000)
+    assert memory.peak_bytes == 4000
+    del replacement
+
+
+def test_peak_memory_rejects_misuse():
+    memory = PeakMemory()
+    with pytest.raises(RuntimeError, match="must be entered inside"), memory.region():
+        pass
+    with pytest.raises(RuntimeError, match="no region"), PeakMemory():
+        pass
+    with pytest.raises(RuntimeError, match="one region"), PeakMemory() as memory:
+        with memory.region():
+            pass
+        with memory.region():
+            pass

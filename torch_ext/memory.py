@@ -1,0 +1,93 @@
+"""Peak CPU tensor memory of one region of code, such as one backward call.
+
+    with PeakMemory() as memory:
+        loss = model(x).sum()          # built under the tracker: its saved tensors' frees are seen
+        with memory.region():
+            loss.backward()
+    memory.peak_bytes                  # most bytes above the level at the region's start
+
+Method: ``torch.profiler.profile(activities=[CPU], profile_memory=True)`` is on for the whole
+``with`` block, and ``record_function`` marks the region. With memory profiling on, c10's CPU allocator
+reports every allocation and free (c10::ProfiledCPUMemoryReporter) with the running total of the bytes
+it has handed out and not yet taken back, computed under the reporter's lock, so allocations from every
+thread are summed in the order they happened. The profiler keeps these as allocation events
+(``kineto_results.experimental_event_tree()``, ``total_allocated``: an experimental API of torch 2.13).
+The region's peak is the largest running total reported during it, minus the total just before its
+first event. The reporter only tracks blocks allocated while it is on, so tensors a region frees count
+only if they were allocated inside the ``with`` block: build the graph there.
+
+Not seen: allocations on a thread that does not carry the profiler's thread-local state (a plain
+Python thread started in the region), and CUDA memory. The profiler also turns on RecordFunction
+callbacks, which changes code paths (an engine then records a range per node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from typing import Self
+
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+_region_numbers = itertools.count()
+
+
+class PeakMemory:
+    """Tracks CPU allocations while active; ``peak_bytes`` is set on exit from its one ``region()``."""
+
+    def __init__(self) -> None:
+        self._profiler: profile | None = None
+        self._region_name: str | None = None
+        self.peak_bytes: int | None = None
+
+    def __enter__(self) -> Self:
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
+        return self
+
+    @contextlib.contextmanager
+    def region(self) -> Iterator[None]:
+        if self._profiler is None:
+            raise RuntimeError("PeakMemory.region() must be entered inside `with PeakMemory() as memory:`")
+        if self._region_name is not None:
+            raise RuntimeError("PeakMemory measures one region; use a new PeakMemory for another")
+        self._region_name = f"torch_ext.memory.region.{next(_region_numbers)}"
+        with record_function(self._region_name):
+            yield
+
+    def __exit__(self, *exc_info) -> None:
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(*exc_info)
+        if exc_info[0] is None:
+            if self._region_name is None:
+                raise RuntimeError("PeakMemory: no region() was entered, so there is nothing to measure")
+            self.peak_bytes = _region_peak_bytes(profiler, self._region_name)
+
+
+def _all_events(roots) -> list:
+    events, stack = [], list(roots)
+    while stack:
+        event = stack.pop()
+        events.append(event)
+        stack.extend(event.children)
+    return events
+
+
+def _region_peak_bytes(profiler: profile, region_name: str) -> int:
+    events = _all_events(profiler.profiler.kineto_results.experimental_event_tree())
+    (region,) = [event for event in events if event.name == region_name]
+    allocations = sorted(
+        (
+            event
+            for event in events
+            if event.tag == _EventType.Allocation and region.start_time_ns <= event.start_time_ns <= region.end_time_ns
+        ),
+        key=lambda event: event.start_time_ns,
+    )
+    if not allocations:
+        return 0
+    first = allocations[0].typed[1]
+    level_at_start = first.total_allocated - first.alloc_size
+    return max(0, max(event.typed[1].total_allocated for event in allocations) - level_at_start)
