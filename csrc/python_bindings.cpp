@@ -12,7 +12,9 @@
 #include "python_split.h"
 #include "trace.h"
 
+#include <ATen/ThreadLocalPythonObjects.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/python_anomaly_mode.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
@@ -126,6 +128,87 @@ PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs
       allow_unreachable,
       priorities));
   if (grad_api_called) {
+    return wrap_tensors(results);
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// Stock's _engine_run_backward stashes the caller's contextvars under
+// "context" for the duration of its engine call (so that a node run on
+// another thread sees e.g. the compiler's configuration) and erases it after,
+// rather than restoring an outer one.
+class StashedContext {
+ public:
+  StashedContext() {
+    PyObject* context = PyContext_CopyCurrent();
+    if (context == nullptr) {
+      throw python_error();
+    }
+    // SafePyObject takes over the new reference.
+    at::impl::ThreadLocalPythonObjects::set(
+        kKey, std::make_shared<c10::SafePyObject>(context, getPyInterpreter()));
+  }
+  ~StashedContext() {
+    at::impl::ThreadLocalPythonObjects::erase(kKey);
+  }
+  StashedContext(const StashedContext&) = delete;
+  StashedContext& operator=(const StashedContext&) = delete;
+
+ private:
+  static constexpr const char* kKey = "context";
+};
+
+// The plain call of torch_ext.backward()/grad() (engine.py): one tensor
+// output and no gradient for it, stock's Python checked to do nothing but
+// forward. Does here what that Python would (_make_grads' implicit gradient,
+// _engine_run_backward's context stash) and runs the call: a small backward's
+// fixed cost is mostly interpreter work. Returns NotImplemented, having done
+// nothing, where stock's Python would do something else with the output (it
+// does not require grad, is nested, or is not a floating scalar), so that
+// the caller takes stock's path with its errors.
+//   run_backward_implicit(output, keep_graph, create_graph, inputs,
+//                         allow_unreachable, accumulate_grad, priorities)
+PyObject* py_run_backward_implicit(
+    PyObject* /*module*/,
+    PyObject* const* args,
+    Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(
+      nargs == 7,
+      "run_backward_implicit takes 7 positional arguments, got ",
+      nargs);
+  PyObject* output = args[0];
+  TORCH_CHECK_TYPE(
+      THPVariable_CheckExact(output),
+      "run_backward_implicit: the output must be a plain torch.Tensor, got ",
+      THPUtils_typename(output));
+  const at::Tensor& tensor = THPVariable_Unpack(output);
+  if (!tensor.requires_grad() || tensor.is_nested() || tensor.numel() != 1 ||
+      !at::isFloatingType(tensor.scalar_type())) {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  const bool accumulate_grad = PyObject_IsTrue(args[5]) == 1;
+  THPObjectPtr outputs{PyTuple_Pack(1, output)};
+  THPObjectPtr gradients{PyTuple_New(1)};
+  if (!outputs || !gradients) {
+    throw python_error();
+  }
+  PyTuple_SET_ITEM(
+      gradients.get(),
+      0,
+      THPVariable_Wrap(at::ones_like(tensor, at::MemoryFormat::Preserve)));
+  StashedContext stashed_context;
+  auto results = run(request_from_python(
+      outputs.get(),
+      gradients.get(),
+      args[3],
+      {PyObject_IsTrue(args[1]) == 1,
+       PyObject_IsTrue(args[2]) == 1,
+       accumulate_grad},
+      PyObject_IsTrue(args[4]) == 1,
+      args[6]));
+  if (!accumulate_grad) {
     return wrap_tensors(results);
   }
   Py_RETURN_NONE;
@@ -297,6 +380,14 @@ PyMethodDef methods[] = {
      "allow_unreachable=False, accumulate_grad=False, priorities=None): "
      "torch._C._EngineBase.run_backward on torch_ext's engine; priorities: "
      "[(node, priority, propagate)] for this call."},
+    {"run_backward_implicit",
+     reinterpret_cast<PyCFunction>(
+         reinterpret_cast<void (*)()>(py_run_backward_implicit)),
+     METH_FASTCALL,
+     "run_backward_implicit(output, keep_graph, create_graph, inputs, "
+     "allow_unreachable, accumulate_grad, priorities): the plain call of "
+     "torch_ext.backward/grad with stock's implicit gradient and context "
+     "stash, or NotImplemented where stock's Python would do more."},
     {"set_priority",
      py_set_priority,
      METH_VARARGS,

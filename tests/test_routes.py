@@ -5,6 +5,7 @@ stock's; only the engine call lands on torch_ext, on the calling thread, with th
 """
 
 import collections
+import contextvars
 import logging
 import re
 import sys
@@ -397,6 +398,9 @@ def test_autograd_debug_logging_is_stock():
     assert len(stock) == 4 and logged(torch_ext.backward) == stock
 
 
+CALLER_VARIABLE = contextvars.ContextVar("caller_variable", default="unset")
+
+
 class ReportsStashedContext(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -404,17 +408,34 @@ class ReportsStashedContext(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ReportsStashedContext.seen.append(torch._C._is_key_in_tls("context"))
+        stashed = torch._C._is_key_in_tls("context")
+        ReportsStashedContext.seen.append(stashed)
+        if stashed:
+            ReportsStashedContext.seen.append(torch._C._get_obj_in_tls("context").get(CALLER_VARIABLE))
+        if ReportsStashedContext.fail:
+            raise ValueError("backward failed on purpose")
         return grad * 2
 
 
 @pytest.mark.parametrize("api", ["backward", "grad"])
-def test_nodes_see_the_stashed_context_variables_as_on_stock(api):
+@pytest.mark.parametrize("fail", [False, True])
+def test_nodes_see_the_stashed_context_variables_as_on_stock(api, fail):
+    # The caller's context variables, stashed for the call and gone after it, an error included.
     def run(module):
         ReportsStashedContext.seen = []
+        ReportsStashedContext.fail = fail
         x = leaf(3)
         loss = ReportsStashedContext.apply(x).sum()
-        getattr(module, api)(*((loss,) if api == "backward" else (loss, x)))
+        token = CALLER_VARIABLE.set(f"set by the caller of {module.__name__}")
+        try:
+            getattr(module, api)(*((loss,) if api == "backward" else (loss, x)))
+        except ValueError as error:
+            ReportsStashedContext.seen.append(str(error))
+        finally:
+            CALLER_VARIABLE.reset(token)
         return ReportsStashedContext.seen + [torch._C._is_key_in_tls("context")]
 
-    assert run(torch_ext) == run(torch.autograd) == [True, False]
+    ours, stock = run(torch_ext), run(torch.autograd)
+    assert ours[1] == "set by the caller of torch_ext" and stock[1] == "set by the caller of torch.autograd"
+    ours[1] = stock[1] = "caller"
+    assert ours == stock == [True, "caller", *(["backward failed on purpose"] if fail else []), False]
