@@ -27,21 +27,21 @@ namespace {
 
 using torch::autograd::AnomalyMode;
 
-variable_list call_tensor_pre_hooks(Node& fn, variable_list inputs) {
+// The hooks before apply() replace the gradients in place: passing the
+// vector by value through each caller moved it twice per node.
+void call_tensor_pre_hooks(Node& fn, variable_list& inputs) {
   for (const auto& hook : fn.tensor_pre_hooks()) {
     inputs = (*hook)(inputs);
   }
   for (const auto& [_, hook] : fn.retains_grad_hooks()) {
     inputs = (*hook)(inputs);
   }
-  return inputs;
 }
 
-variable_list call_pre_hooks(Node& fn, variable_list inputs) {
+void call_pre_hooks(Node& fn, variable_list& inputs) {
   for (const auto& hook : fn.pre_hooks()) {
     inputs = (*hook)(inputs);
   }
-  return inputs;
 }
 
 variable_list call_post_hooks(
@@ -61,8 +61,9 @@ variable_list call_post_hooks(
   return outputs;
 }
 
-variable_list call_hooks_before_apply(Node& fn, variable_list&& buffered) {
-  return call_pre_hooks(fn, call_tensor_pre_hooks(fn, std::move(buffered)));
+void call_hooks_before_apply(Node& fn, variable_list& inputs) {
+  call_tensor_pre_hooks(fn, inputs);
+  call_pre_hooks(fn, inputs);
 }
 
 variable_list apply_and_post_hooks(
@@ -93,8 +94,12 @@ variable_list apply_and_post_hooks(
 }
 
 variable_list call_function(Node& fn, variable_list&& buffered, bool keep_graph) {
-  return apply_and_post_hooks(
-      fn, call_hooks_before_apply(fn, std::move(buffered)), keep_graph);
+  // Owned here, as stock's call_function owns its inputs: whatever apply()
+  // left of them is freed when this returns, before release_variables and
+  // before the outputs are delivered.
+  variable_list inputs = std::move(buffered);
+  call_hooks_before_apply(fn, inputs);
+  return apply_and_post_hooks(fn, std::move(inputs), keep_graph);
 }
 
 void check_outputs_for_nan(Node& fn, const variable_list& outputs) {
@@ -389,12 +394,13 @@ std::optional<variable_list> BackwardCall::run_node_action(
       slot.action == NodeAction::kCaptureAndKeep) {
     // Captured but not run: its tensor pre-hooks still see the gradient
     // (stock NOTE [Hooks ordering]).
-    variable_list hooked = call_tensor_pre_hooks(fn, std::move(buffered));
-    capture(index, hooked, node_stream);
+    call_tensor_pre_hooks(fn, buffered);
+    capture(index, buffered, node_stream);
     if (slot.action == NodeAction::kCaptureAndKeep) {
       // Its node pre-hooks run now, and the later pass runs only apply():
       // every hook runs once across the passes.
-      (*kept_)[slot.kept].inputs = call_pre_hooks(fn, std::move(hooked));
+      call_pre_hooks(fn, buffered);
+      (*kept_)[slot.kept].inputs = std::move(buffered);
     }
     return std::nullopt;
   }
@@ -460,7 +466,8 @@ variable_list BackwardCall::run_and_keep(
   KeptNode& kept = (*kept_)[slot.kept];
   // Its pre-hooks run once, here; the later pass may run apply() again on
   // the same gradients, so its saved variables stay.
-  variable_list inputs = call_hooks_before_apply(fn, std::move(buffered));
+  variable_list inputs = std::move(buffered);
+  call_hooks_before_apply(fn, inputs);
   variable_list inputs_for_later_pass = inputs;
   variable_list outputs;
   {

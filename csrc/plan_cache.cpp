@@ -56,8 +56,9 @@ struct PlanTemplate {
   // input number.
   std::vector<int32_t> input_slots;
   std::vector<uint32_t> input_nrs;
-  // When the plan knows stock's delivery order: the slots sorted by
-  // sequence_nr, and whether each has the same number as the one before.
+  // The slots sorted by sequence_nr, and whether each has the same number as
+  // the one before: stock's delivery order follows the numbers' relative
+  // order, and distinct numbers are distinct nodes.
   std::vector<int32_t> by_sequence_nr;
   std::vector<char> same_sequence_nr_as_previous;
   // When the call had priorities: each slot's own, from the table or the
@@ -87,7 +88,7 @@ struct ThreadCache {
   PlanCacheStats stats;
   // Scratch, kept to reuse its capacity.
   std::vector<Node*> bound;
-  std::vector<Node*> sorted;
+  std::vector<Node*> equal_sequence_nrs;
 };
 
 thread_local ThreadCache thread_cache;
@@ -125,7 +126,7 @@ bool rebind(
     const edge_list& inputs,
     const CallPriorities& priorities,
     std::vector<Node*>& bound,
-    std::vector<Node*>& sorted) {
+    std::vector<Node*>& equal_sequence_nrs) {
   const GraphPlan& plan = t.plan;
   const size_t num_slots = plan.slots.size();
   bound.assign(num_slots, nullptr);
@@ -179,12 +180,41 @@ bool rebind(
       }
     }
   }
-  // Every slot a distinct node: a graph that reuses one node where the
-  // template had two passes every edge check above.
-  sorted.assign(bound.begin(), bound.end());
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
-    return false;
+  // Every slot a distinct node (a graph that reuses one node where the
+  // template had two passes every edge check above), with the sequence
+  // numbers in the template's relative order. One pass over the slots in
+  // the template's sequence_nr order: where the template's numbers rise the
+  // call's must rise, which also makes those nodes distinct; only a run of
+  // equal numbers (every AccumulateGrad has UINT64_MAX) is compared sorted.
+  // Sorting every slot's node instead cost 2% of a 3,000-node chain's
+  // backward (perf).
+  const size_t num_ordered = t.by_sequence_nr.size();
+  for (size_t k = 0; k < num_ordered;) {
+    size_t run_end = k + 1;
+    while (run_end < num_ordered && t.same_sequence_nr_as_previous[run_end]) {
+      ++run_end;
+    }
+    const uint64_t number = bound[t.by_sequence_nr[k]]->sequence_nr();
+    if (k > 0 && bound[t.by_sequence_nr[k - 1]]->sequence_nr() >= number) {
+      return false;
+    }
+    if (run_end - k > 1) {
+      equal_sequence_nrs.clear();
+      for (size_t j = k; j < run_end; ++j) {
+        Node* fn = bound[t.by_sequence_nr[j]];
+        if (fn->sequence_nr() != number) {
+          return false;
+        }
+        equal_sequence_nrs.push_back(fn);
+      }
+      std::sort(equal_sequence_nrs.begin(), equal_sequence_nrs.end());
+      if (std::adjacent_find(
+              equal_sequence_nrs.begin(), equal_sequence_nrs.end()) !=
+          equal_sequence_nrs.end()) {
+        return false;
+      }
+    }
+    k = run_end;
   }
   for (size_t j = 0; j < inputs.size(); ++j) {
     Node* input = inputs[j].function.get();
@@ -192,16 +222,8 @@ bool rebind(
     // An input no root reached must still be out of reach.
     if (inputs[j].input_nr != t.input_nrs[j] ||
         (slot == kNoSlot
-             ? std::binary_search(sorted.begin(), sorted.end(), input)
+             ? std::find(bound.begin(), bound.end(), input) != bound.end()
              : bound[slot] != input)) {
-      return false;
-    }
-  }
-  // Stock's delivery order follows the sequence numbers' relative order.
-  for (size_t k = 1; k < t.by_sequence_nr.size(); ++k) {
-    const uint64_t before = bound[t.by_sequence_nr[k - 1]]->sequence_nr();
-    const uint64_t after = bound[t.by_sequence_nr[k]]->sequence_nr();
-    if (t.same_sequence_nr_as_previous[k] ? before != after : before >= after) {
       return false;
     }
   }
@@ -248,22 +270,20 @@ PlanTemplate make_template(
     }
     slot.fn = nullptr;
   }
-  if (plan.stock_order_known) {
-    t.by_sequence_nr.resize(num_slots);
-    std::iota(t.by_sequence_nr.begin(), t.by_sequence_nr.end(), 0);
-    std::stable_sort(
-        t.by_sequence_nr.begin(),
-        t.by_sequence_nr.end(),
-        [&](int32_t a, int32_t b) {
-          return plan.slots[a].fn->sequence_nr() <
-              plan.slots[b].fn->sequence_nr();
-        });
-    t.same_sequence_nr_as_previous.assign(num_slots, 0);
-    for (size_t k = 1; k < num_slots; ++k) {
-      t.same_sequence_nr_as_previous[k] =
-          plan.slots[t.by_sequence_nr[k - 1]].fn->sequence_nr() ==
-          plan.slots[t.by_sequence_nr[k]].fn->sequence_nr();
-    }
+  t.by_sequence_nr.resize(num_slots);
+  std::iota(t.by_sequence_nr.begin(), t.by_sequence_nr.end(), 0);
+  std::stable_sort(
+      t.by_sequence_nr.begin(),
+      t.by_sequence_nr.end(),
+      [&](int32_t a, int32_t b) {
+        return plan.slots[a].fn->sequence_nr() <
+            plan.slots[b].fn->sequence_nr();
+      });
+  t.same_sequence_nr_as_previous.assign(num_slots, 0);
+  for (size_t k = 1; k < num_slots; ++k) {
+    t.same_sequence_nr_as_previous[k] =
+        plan.slots[t.by_sequence_nr[k - 1]].fn->sequence_nr() ==
+        plan.slots[t.by_sequence_nr[k]].fn->sequence_nr();
   }
   t.bytes = template_bytes(t);
   return t;
@@ -308,7 +328,13 @@ void plan_for_call(
   for (size_t i = 0; i < cache.templates.size(); ++i) {
     const PlanTemplate& t = cache.templates[i];
     if (!(t.key == key) ||
-        !rebind(t, roots, inputs, priorities, cache.bound, cache.sorted)) {
+        !rebind(
+            t,
+            roots,
+            inputs,
+            priorities,
+            cache.bound,
+            cache.equal_sequence_nrs)) {
       continue;
     }
     plan = t.plan;

@@ -93,16 +93,24 @@ def _shared_or_not(shared: bool, x: torch.Tensor) -> torch.Tensor:
     return first.exp().sum() * 2 + second.exp().sum()
 
 
-def test_a_node_reused_where_the_plan_had_two_is_a_new_plan():
+def _one_leaf_or_two(shared: bool, x: torch.Tensor) -> torch.Tensor:
+    """Two multiplications into two leaves' AccumulateGrad nodes, or twice into x's: the same node types and
+    edges, and every AccumulateGrad has the same sequence_nr, so only the nodes' identity tells them apart."""
+    other = x if shared else torch.randn(4, requires_grad=True)
+    return (x * 2).sum() + (other * 3).sum()
+
+
+@pytest.mark.parametrize("build", [_shared_or_not, _one_leaf_or_two], ids=["inner node", "leaf"])
+def test_a_node_reused_where_the_plan_had_two_is_a_new_plan(build):
     for _ in range(FIRST_REPLAY):
         x = torch.randn(4, requires_grad=True)
-        torch_ext.backward(_shared_or_not(False, x))
+        torch_ext.backward(build(False, x))
     assert _hits() == 1
     x = torch.randn(4, requires_grad=True)
-    torch_ext.backward(_shared_or_not(True, x))
+    torch_ext.backward(build(True, x))
     expected = x.grad.clone()
     x.grad = None
-    _shared_or_not(True, x).backward()
+    build(True, x).backward()
     assert torch.equal(x.grad, expected)
     assert _hits() == 1, "the shared node was run as two nodes of the old plan"
 
