@@ -163,6 +163,14 @@ class BackwardCall {
       at::Tensor&& grad,
       const std::optional<c10::Stream>& producer_stream,
       int32_t edge);
+  // The input buffer of `slot`, which has one (NodeSlot::inputs).
+  InputBuffer& buffer_of(const NodeSlot& slot) {
+    return buffers_[slot.inputs.index];
+  }
+  // Gives `slot` its input buffer, reusing the entry of a node that ran.
+  void open_buffer(NodeSlot& slot, InputBuffer&& buffer);
+  // Takes the input buffer of `slot` out to run its node; its entry is free.
+  InputBuffer take_buffer(NodeSlot& slot);
   // Adds `grad` to the buffer of input `input_nr` of `target` now.
   void add_to_input(
       int32_t target,
@@ -206,6 +214,12 @@ class BackwardCall {
   CallPriorities priorities_;
 
   GraphPlan plan_;
+  // The input buffers of the nodes that have received a gradient and not run
+  // yet, each indexed by its slot's NodeSlot::inputs. The entry of a node
+  // that ran goes to free_buffers_ for the next slot that needs one, so the
+  // pool holds about as many buffers as wait at once (one or two on a chain).
+  std::vector<InputBuffer> buffers_;
+  std::vector<int32_t> free_buffers_;
   ReadyQueue ready_;
   variable_list captured_;
   // Streams that produced results the caller will read (.grad, captures);

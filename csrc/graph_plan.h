@@ -75,18 +75,28 @@ struct KeptNode {
   std::optional<variable_list> outputs;
 };
 
-// A slot's gradients while a call runs. They are the call's, not the plan's:
-// copying a plan (a template, plan_cache.h) copies no buffer.
-struct SlotBuffer : std::optional<InputBuffer> {
+// Where a slot's gradients are while a call runs: an index into the call's
+// input buffers (BackwardCall::buffers_), or kNoSlot. They are the call's,
+// not the plan's: copying a plan (a template, plan_cache.h) copies no buffer.
+// Kept out of the slot, an InputBuffer (four vectors and a stream) made a
+// slot 168 bytes where it is now 48: a replayed call copies its template's
+// slots, and the run loop reads them in no particular order.
+struct SlotBuffer {
+  int32_t index = kNoSlot;
+
   SlotBuffer() = default;
   SlotBuffer(const SlotBuffer& /*other*/) noexcept {}
   SlotBuffer& operator=(const SlotBuffer& /*other*/) noexcept {
-    reset();
+    index = kNoSlot;
     return *this;
   }
   SlotBuffer(SlotBuffer&&) = default;
   SlotBuffer& operator=(SlotBuffer&&) = default;
   ~SlotBuffer() = default;
+
+  bool has_value() const {
+    return index != kNoSlot;
+  }
 };
 
 // One node reachable from the roots.

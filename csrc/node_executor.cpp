@@ -293,13 +293,32 @@ void BackwardCall::add_to_input(
     at::Tensor&& grad,
     const std::optional<c10::Stream>& producer_stream) {
   NodeSlot& slot = plan_.slots[target];
-  if (slot.has_pending_wait && slot.inputs->buffer[input_nr].defined()) {
+  InputBuffer& inputs = buffer_of(slot);
+  if (slot.has_pending_wait && inputs.buffer[input_nr].defined()) {
     // Accumulating reads both gradients.
     wait_pending(target);
   }
-  prepare_for_accelerator_grad(*slot.inputs, grad);
-  slot.inputs->add(
+  prepare_for_accelerator_grad(inputs, grad);
+  inputs.add(
       input_nr, std::move(grad), producer_stream, stream_of(*slot.fn), slot.fn);
+}
+
+void BackwardCall::open_buffer(NodeSlot& slot, InputBuffer&& buffer) {
+  if (free_buffers_.empty()) {
+    slot.inputs.index = static_cast<int32_t>(buffers_.size());
+    buffers_.push_back(std::move(buffer));
+    return;
+  }
+  slot.inputs.index = free_buffers_.back();
+  free_buffers_.pop_back();
+  buffers_[slot.inputs.index] = std::move(buffer);
+}
+
+InputBuffer BackwardCall::take_buffer(NodeSlot& slot) {
+  InputBuffer taken = std::move(buffers_[slot.inputs.index]);
+  free_buffers_.push_back(slot.inputs.index);
+  slot.inputs.index = kNoSlot;
+  return taken;
 }
 
 void BackwardCall::deliver(
@@ -310,13 +329,13 @@ void BackwardCall::deliver(
     int32_t edge) {
   NodeSlot& slot = plan_.slots[target];
   const bool ready = --slot.pending_edges == 0;
-  if (!slot.inputs) {
+  if (!slot.inputs.has_value()) {
     if (!slot.should_execute()) {
       // Off every path to an input of grad()/backward(inputs=); a pending
       // result here is waited on at the end of the call.
       return;
     }
-    slot.inputs.emplace(make_input_buffer(*slot.fn));
+    open_buffer(slot, make_input_buffer(*slot.fn));
   }
   if (!pending_waits_.empty()) {
     note_pending_delivery(target, grad);
@@ -521,8 +540,7 @@ template <bool kTraced>
 void BackwardCall::execute_node(int32_t index) {
   NodeSlot& slot = plan_.slots[index];
   Node& fn = *slot.fn;
-  InputBuffer inputs = std::move(*slot.inputs);
-  slot.inputs.reset();
+  InputBuffer inputs = take_buffer(slot);
 
   CurrentNodeGuard current_node(current_node_slot_, fn);
   // While tracing, the node's effective priority is its profiler event's one
