@@ -28,8 +28,6 @@ struct CallOptions {
   bool accumulate_grad = true;
 };
 
-// A buffer for the gradients arriving at `fn` (node_executor.cpp).
-InputBuffer make_input_buffer(Node& fn);
 
 class AccumulationBatch;
 
@@ -165,12 +163,33 @@ class BackwardCall {
       int32_t edge);
   // The input buffer of `slot`, which has one (NodeSlot::inputs).
   InputBuffer& buffer_of(const NodeSlot& slot) {
-    return buffers_[slot.inputs.index];
+    return *buffers_[slot.inputs.index];
   }
-  // Gives `slot` its input buffer, reusing the entry of a node that ran.
-  void open_buffer(NodeSlot& slot, InputBuffer&& buffer);
+  // Gives `slot` an input buffer holding `gradients` (one per input of its
+  // node, all undefined for a new one), in the entry of a node that ran if
+  // there is one. Only the gradient vector: InputBuffer(n) also sizes three
+  // per-input stream/event vectors that only accelerator gradients use,
+  // three allocations per node that a CPU graph never reads; they grow when
+  // the first accelerator gradient arrives (prepare_for_accelerator_grad).
+  void open_buffer(NodeSlot& slot, variable_list&& gradients) {
+    if (free_buffers_.empty()) {
+      slot.inputs.index = static_cast<int32_t>(buffers_.size());
+      buffers_.emplace_back(std::in_place, std::move(gradients));
+      return;
+    }
+    slot.inputs.index = free_buffers_.back();
+    free_buffers_.pop_back();
+    buffers_[slot.inputs.index].emplace(std::move(gradients));
+  }
   // Takes the input buffer of `slot` out to run its node; its entry is free.
-  InputBuffer take_buffer(NodeSlot& slot);
+  InputBuffer take_buffer(NodeSlot& slot) {
+    std::optional<InputBuffer>& entry = buffers_[slot.inputs.index];
+    InputBuffer taken = std::move(*entry);
+    entry.reset();
+    free_buffers_.push_back(slot.inputs.index);
+    slot.inputs.index = kNoSlot;
+    return taken;
+  }
   // Adds `grad` to the buffer of input `input_nr` of `target` now.
   void add_to_input(
       int32_t target,
@@ -218,7 +237,7 @@ class BackwardCall {
   // yet, each indexed by its slot's NodeSlot::inputs. The entry of a node
   // that ran goes to free_buffers_ for the next slot that needs one, so the
   // pool holds about as many buffers as wait at once (one or two on a chain).
-  std::vector<InputBuffer> buffers_;
+  std::vector<std::optional<InputBuffer>> buffers_;
   std::vector<int32_t> free_buffers_;
   ReadyQueue ready_;
   variable_list captured_;

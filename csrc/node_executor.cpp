@@ -265,14 +265,6 @@ const BackwardCall* BackwardCall::running_call() {
   return running->call;
 }
 
-// InputBuffer(n) also sizes three per-input stream/event vectors that only
-// accelerator gradients use: three allocations per node that a CPU graph never
-// reads. Buffers start with the gradient vector alone and grow the rest when
-// the first accelerator gradient arrives (prepare_for_accelerator_grad).
-InputBuffer make_input_buffer(Node& fn) {
-  return InputBuffer(variable_list(fn.num_inputs()));
-}
-
 ReadyNode BackwardCall::ready_key(int32_t target) const {
   const NodeSlot& slot = plan_.slots[target];
   const int64_t priority = plan_.priority.empty() ? 0 : plan_.priority[target];
@@ -303,24 +295,6 @@ void BackwardCall::add_to_input(
       input_nr, std::move(grad), producer_stream, stream_of(*slot.fn), slot.fn);
 }
 
-void BackwardCall::open_buffer(NodeSlot& slot, InputBuffer&& buffer) {
-  if (free_buffers_.empty()) {
-    slot.inputs.index = static_cast<int32_t>(buffers_.size());
-    buffers_.push_back(std::move(buffer));
-    return;
-  }
-  slot.inputs.index = free_buffers_.back();
-  free_buffers_.pop_back();
-  buffers_[slot.inputs.index] = std::move(buffer);
-}
-
-InputBuffer BackwardCall::take_buffer(NodeSlot& slot) {
-  InputBuffer taken = std::move(buffers_[slot.inputs.index]);
-  free_buffers_.push_back(slot.inputs.index);
-  slot.inputs.index = kNoSlot;
-  return taken;
-}
-
 void BackwardCall::deliver(
     int32_t target,
     uint32_t input_nr,
@@ -335,7 +309,7 @@ void BackwardCall::deliver(
       // result here is waited on at the end of the call.
       return;
     }
-    open_buffer(slot, make_input_buffer(*slot.fn));
+    open_buffer(slot, variable_list(slot.fn->num_inputs()));
   }
   if (!pending_waits_.empty()) {
     note_pending_delivery(target, grad);

@@ -78,7 +78,8 @@ struct SeenOnce {
 // Templates kept per thread, least recently used dropped first. A training
 // step has one backward structure (a pipeline stage a few: forward micro
 // batches of two shapes, a loss stage); eight cover those with room, and a
-// template costs about 0.25 KiB per node (plan_cache_stats).
+// template costs about 75 bytes per node (plan_cache_stats: 78 on a
+// 3,000-node chain, 73 on a 32-layer MLP).
 constexpr size_t kMaxTemplates = 8;
 
 struct ThreadCache {

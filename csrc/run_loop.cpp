@@ -88,7 +88,7 @@ void BackwardCall::seed() {
     for (size_t s = 0; s < plan_.slots.size(); ++s) {
       NodeSlot& slot = plan_.slots[s];
       if (slot.kept != kNoSlot) {
-        open_buffer(slot, InputBuffer(variable_list()));
+        open_buffer(slot, variable_list());
         ready_.push(ready_key(static_cast<int32_t>(s)));
       }
     }
@@ -101,7 +101,7 @@ void BackwardCall::seed_roots() {
     // grad()/inputs= needs it (it then runs only its tensor pre-hooks).
     NodeSlot& root = plan_.slots[plan_.root_targets[0]];
     root.pending_edges = 1;
-    open_buffer(root, make_input_buffer(*root.fn));
+    open_buffer(root, variable_list(root.fn->num_inputs()));
   }
   // Several roots: stock's GraphRoot delivers each gradient along its root
   // edge, in order, like any node's outputs.
