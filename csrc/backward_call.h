@@ -28,7 +28,6 @@ struct CallOptions {
   bool accumulate_grad = true;
 };
 
-
 class AccumulationBatch;
 
 // Custom Python Functions decide what to compute from ctx.needs_input_grad,
