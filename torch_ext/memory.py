@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections import Counter
 from collections.abc import Iterator
 from typing import Self
 
@@ -79,31 +78,16 @@ def _all_events(roots) -> list:
 def _region_peak_bytes(profiler: profile, region_name: str) -> int:
     events = _all_events(profiler.profiler.kineto_results.experimental_event_tree())
     (region,) = [event for event in events if event.name == region_name]
-    allocations = [
-        event
-        for event in events
-        if event.tag == _EventType.Allocation and region.start_time_ns <= event.start_time_ns <= region.end_time_ns
-    ]
+    allocations = sorted(
+        (
+            event
+            for event in events
+            if event.tag == _EventType.Allocation and region.start_time_ns <= event.start_time_ns <= region.end_time_ns
+        ),
+        key=lambda event: event.start_time_ns,
+    )
     if not allocations:
         return 0
-    return max(0, max(event.typed[1].total_allocated for event in allocations) - _level_before(allocations))
-
-
-def _level_before(allocations) -> int:
-    """The running total just before the first of ``allocations`` in the order they happened.
-
-    Not the first by timestamp: the reporter's totals follow the order of its lock, but the events'
-    timestamps can invert two neighbours (seen here: an allocation and the free of the tensor it
-    replaced, one Python statement, swapped places, and the region read 0 bytes instead of 4000). The
-    totals chain, each event's ``total - size`` being the one before it, so the level before the
-    first is the one ``total - size`` that is no event's ``total``. Where the region ends at the level
-    it started from, that does not single it out, and the earliest timestamp decides after all.
-    """
-    before = Counter(event.typed[1].total_allocated - event.typed[1].alloc_size for event in allocations)
-    before.subtract(Counter(event.typed[1].total_allocated for event in allocations))
-    levels = [total for total, count in before.items() if count > 0]
-    if len(levels) == 1:
-        return levels[0]
-    # Back at the starting level, or not one chain (an event at the region's edge fell outside it).
-    first = min(allocations, key=lambda event: event.start_time_ns).typed[1]
-    return first.total_allocated - first.alloc_size
+    first = allocations[0].typed[1]
+    level_at_start = first.total_allocated - first.alloc_size
+    return max(0, max(event.typed[1].total_allocated for event in allocations) - level_at_start)
