@@ -89,7 +89,9 @@ struct ThreadCache {
   PlanCacheStats stats;
   // Scratch, kept to reuse its capacity.
   std::vector<Node*> bound;
-  std::vector<Node*> equal_sequence_nrs;
+  // Nodes sorted by address: a run of equal sequence numbers, or every
+  // bound node where an input must be out of reach.
+  std::vector<Node*> sorted_nodes;
 };
 
 thread_local ThreadCache thread_cache;
@@ -127,7 +129,7 @@ bool rebind(
     const edge_list& inputs,
     const CallPriorities& priorities,
     std::vector<Node*>& bound,
-    std::vector<Node*>& equal_sequence_nrs) {
+    std::vector<Node*>& sorted_nodes) {
   const GraphPlan& plan = t.plan;
   const size_t num_slots = plan.slots.size();
   bound.assign(num_slots, nullptr);
@@ -200,31 +202,43 @@ bool rebind(
       return false;
     }
     if (run_end - k > 1) {
-      equal_sequence_nrs.clear();
+      sorted_nodes.clear();
       for (size_t j = k; j < run_end; ++j) {
         Node* fn = bound[t.by_sequence_nr[j]];
         if (fn->sequence_nr() != number) {
           return false;
         }
-        equal_sequence_nrs.push_back(fn);
+        sorted_nodes.push_back(fn);
       }
-      std::sort(equal_sequence_nrs.begin(), equal_sequence_nrs.end());
-      if (std::adjacent_find(
-              equal_sequence_nrs.begin(), equal_sequence_nrs.end()) !=
-          equal_sequence_nrs.end()) {
+      std::sort(sorted_nodes.begin(), sorted_nodes.end());
+      if (std::adjacent_find(sorted_nodes.begin(), sorted_nodes.end()) !=
+          sorted_nodes.end()) {
         return false;
       }
     }
     k = run_end;
   }
+  // An input no root reached must still be out of reach: looked up in the
+  // bound nodes, sorted once for every such input of the call.
+  bool bound_sorted = false;
   for (size_t j = 0; j < inputs.size(); ++j) {
     Node* input = inputs[j].function.get();
     const int32_t slot = t.input_slots[j];
-    // An input no root reached must still be out of reach.
-    if (inputs[j].input_nr != t.input_nrs[j] ||
-        (slot == kNoSlot
-             ? std::find(bound.begin(), bound.end(), input) != bound.end()
-             : bound[slot] != input)) {
+    if (inputs[j].input_nr != t.input_nrs[j]) {
+      return false;
+    }
+    if (slot != kNoSlot) {
+      if (bound[slot] != input) {
+        return false;
+      }
+      continue;
+    }
+    if (!bound_sorted) {
+      sorted_nodes.assign(bound.begin(), bound.end());
+      std::sort(sorted_nodes.begin(), sorted_nodes.end());
+      bound_sorted = true;
+    }
+    if (std::binary_search(sorted_nodes.begin(), sorted_nodes.end(), input)) {
       return false;
     }
   }
@@ -335,7 +349,7 @@ void plan_for_call(
             inputs,
             priorities,
             cache.bound,
-            cache.equal_sequence_nrs)) {
+            cache.sorted_nodes)) {
       continue;
     }
     plan = t.plan;
