@@ -31,7 +31,10 @@ stock's, or the script fails. ``repeats`` says whether stock's runs and torch_ex
 each gave one figure. torch_ext's first call in a process allocates a 4-byte tensor it keeps for good
 (its driver node's input, csrc/host_task.cpp); one unmeasured call of each engine comes first.
 
-    python benchmarks/backward_memory.py [--runs N]
+The long-format CSV has, per graph, metric ``peak_bytes`` for ``stock``, ``torch_ext`` (first calls) and
+``torch_ext_replayed``: median, 20th and 80th percentile over the runs (all three equal when the runs repeat).
+
+    python benchmarks/backward_memory.py [--quick] [--runs N] [--out results/backward_memory.csv]
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import torch
+from _common import Summary, SummaryRow, bar_chart, csv_cases, csv_row, git_sha, summarize, write_csv
 from torch import nn
 
 import torch_ext
@@ -52,6 +57,10 @@ from torch_ext.memory import PeakMemory
 FIRST_REPLAY = 3
 PRIORITY = 10
 MIB = 2**20
+# Calls of each engine per graph. The peaks are allocator byte counts, the same in every run so far: two runs
+# still show whether they repeat. The whole script takes ~5 s here either way, most of it starting torch.
+RUNS = 3
+QUICK_RUNS = 2
 
 
 @dataclasses.dataclass
@@ -115,15 +124,28 @@ def reused_intermediate(prioritized: str | None = None) -> Graph:
     return Graph(loss, leaves=[x], priority_target=target)
 
 
-GRAPHS: dict[str, Callable[[], Graph]] = {
-    "deep_mlp": deep_mlp,
-    "deep_mlp_grad_of_input": deep_mlp_grad_of_input,
-    "fan_in": fan_in,
-    "elementwise_chain": elementwise_chain,
-    "reused_intermediate": reused_intermediate,
-    "reused_intermediate_priority_tanh": lambda: reused_intermediate("tanh"),
-    "reused_intermediate_priority_exp": lambda: reused_intermediate("exp"),
-    "fan_in_priority_branch_0": lambda: fan_in(prioritized_branch=0),
+@dataclasses.dataclass(frozen=True)
+class Case:
+    # The CSV's size column: the graph in a few words (the module docstring has the rest).
+    size: str
+    build: Callable[[], Graph]
+
+
+GRAPHS: dict[str, Case] = {
+    "deep_mlp": Case("8x Linear(512, 512)+GELU, batch 64", deep_mlp),
+    "deep_mlp_grad_of_input": Case("8x Linear(512, 512)+GELU, batch 64, grad of x", deep_mlp_grad_of_input),
+    "fan_in": Case("64 branches of 4096 elements", fan_in),
+    "elementwise_chain": Case("50 ops on 2^20 elements", elementwise_chain),
+    "reused_intermediate": Case("3 readers of 2^20 elements", reused_intermediate),
+    "reused_intermediate_priority_tanh": Case(
+        "3 readers of 2^20 elements, tanh prioritized", lambda: reused_intermediate("tanh")
+    ),
+    "reused_intermediate_priority_exp": Case(
+        "3 readers of 2^20 elements, exp prioritized", lambda: reused_intermediate("exp")
+    ),
+    "fan_in_priority_branch_0": Case(
+        "64 branches of 4096 elements, branch 0 prioritized", lambda: fan_in(prioritized_branch=0)
+    ),
 }
 
 
@@ -155,10 +177,22 @@ def check_same(name: str, expected: list[torch.Tensor], got: list[torch.Tensor])
 @dataclasses.dataclass(frozen=True)
 class Row:
     graph: str
-    stock: int
-    first_call: int
+    # Peak bytes of each run.
+    stock_peaks: tuple[int, ...]
+    first_call_peaks: tuple[int, ...]
     replayed: int
-    repeats: bool
+
+    @property
+    def stock(self) -> int:
+        return max(self.stock_peaks)
+
+    @property
+    def first_call(self) -> int:
+        return max(self.first_call_peaks)
+
+    @property
+    def repeats(self) -> bool:
+        return len(set(self.stock_peaks)) == 1 and len(set(self.first_call_peaks)) == 1
 
 
 def measure_graph(name: str, build: Callable[[], Graph], runs: int) -> Row:
@@ -176,15 +210,29 @@ def measure_graph(name: str, build: Callable[[], Graph], runs: int) -> Row:
             raise SystemExit(f"{name}: call {call} did not replay as expected ({_C._plan_cache_stats(False)})")
     for _, gradients in first_calls + replays:
         check_same(name, stock_gradients, gradients)
-    stock_peaks = {peak for peak, _ in stock_runs}
-    first_peaks = {peak for peak, _ in first_calls}
     return Row(
         name,
-        stock=max(stock_peaks),
-        first_call=max(first_peaks),
+        stock_peaks=tuple(peak for peak, _ in stock_runs),
+        first_call_peaks=tuple(peak for peak, _ in first_calls),
         replayed=replays[-1][0],
-        repeats=len(stock_peaks) == 1 and len(first_peaks) == 1,
     )
+
+
+def peak_summary(peaks: Sequence[int]) -> Summary:
+    return summarize(peaks) if len(peaks) >= 2 else Summary(peaks[0], peaks[0], peaks[0])
+
+
+def csv_rows(rows: list[Row], sha: str) -> list[dict[str, object]]:
+    out = []
+    for row in rows:
+        size = GRAPHS[row.graph].size
+        for what, peaks in (
+            ("stock", row.stock_peaks),
+            ("torch_ext", row.first_call_peaks),
+            ("torch_ext_replayed", (row.replayed,)),
+        ):
+            out.append(csv_row(what, row.graph, size, "peak_bytes", peak_summary(peaks), sha))
+    return out
 
 
 def print_table(rows: list[Row]) -> None:
@@ -226,8 +274,14 @@ def print_table(rows: list[Row]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=3, help="calls of each engine per graph (default 3)")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_RUNS} calls of each engine per graph (CI)")
+    parser.add_argument("--runs", type=int, help=f"calls of each engine per graph (default {RUNS})")
+    parser.add_argument("--out", default="results/backward_memory.csv", help="long-format CSV to write")
     args = parser.parse_args(argv)
+    if args.runs is not None and args.runs < 1:
+        parser.error("--runs must be at least 1")
+    runs = args.runs if args.runs is not None else (QUICK_RUNS if args.quick else RUNS)
+    started = time.perf_counter()
     for engine in (STOCK, TORCH_EXT):
         x = torch.ones(2, requires_grad=True)
         engine.backward((x * 2).sum())
@@ -236,13 +290,59 @@ def main(argv: list[str] | None = None) -> int:
     previous = _C._set_plan_cache(True)
     try:
         rows = []
-        for name, build in GRAPHS.items():
+        for name, case in GRAPHS.items():
             print(f"{name} ...", file=sys.stderr, flush=True)
-            rows.append(measure_graph(name, build, args.runs))
+            rows.append(measure_graph(name, case.build, runs))
     finally:
         _C._set_plan_cache(previous)
     print_table(rows)
+    write_csv(args.out, csv_rows(rows, git_sha()))
+    print(f"wrote {args.out} ({time.perf_counter() - started:.1f} s)")
     return 0
+
+
+# --- python -m torch_ext bench: the summary table's rows and the plot, from the CSV ---------------------------
+
+
+def summary_rows(rows: dict) -> list[SummaryRow]:
+    summary = []
+    for case in csv_cases(rows, "peak_bytes"):
+        stock = rows[("stock", case, "peak_bytes")]
+        first = rows[("torch_ext", case, "peak_bytes")]
+        replayed = rows[("torch_ext_replayed", case, "peak_bytes")]["median"]
+        repeats = stock["p20"] == stock["p80"] and first["p20"] == first["p80"]
+        summary.append(
+            SummaryRow(
+                "backward_memory",
+                case,
+                "torch_ext",
+                f"stock {stock['median'] / MIB:.3g} MiB",
+                f"{first['median'] / MIB:.3g} MiB",
+                f"{first['median'] / stock['median']:.2f}",
+                f"peak above the call's start; replayed plan {replayed / stock['median']:.2f}"
+                + ("" if repeats else "; peaks differ between runs"),
+                {
+                    "stock_peak_bytes": stock["median"],
+                    "torch_ext_peak_bytes": first["median"],
+                    "replayed_peak_bytes": replayed,
+                    "ratio": first["median"] / stock["median"],
+                    "replayed_ratio": replayed / stock["median"],
+                },
+            )
+        )
+    return summary
+
+
+def plot(rows: Sequence[SummaryRow], figure) -> None:
+    ax = figure.subplots()
+    bar_chart(
+        ax,
+        [r.case for r in rows],
+        {"first call": [r.values["ratio"] for r in rows], "replayed": [r.values["replayed_ratio"] for r in rows]},
+        "peak memory / stock",
+        1.0,
+    )
+    ax.set_title("Backward peak memory, torch_ext / stock")
 
 
 if __name__ == "__main__":

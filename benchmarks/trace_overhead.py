@@ -35,9 +35,21 @@ import argparse
 import dataclasses
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
-from _common import Summary, csv_row, git_sha, print_columns, summarize, timed_call, write_csv
+from _common import (
+    Summary,
+    SummaryRow,
+    bar_chart,
+    csv_cases,
+    csv_row,
+    git_sha,
+    print_columns,
+    summarize,
+    timed_call,
+    write_csv,
+)
 from engine_overhead import MLP, Chain, count_nodes, fresh_graph
 
 import torch_ext
@@ -164,6 +176,47 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(args.out, rows)
     print(f"wrote {args.out} ({time.perf_counter() - started:.1f} s)")
     return 0
+
+
+# --- python -m torch_ext bench: the summary table's rows and the plot, from the CSV ---------------------------
+
+
+def summary_rows(rows: dict) -> list[SummaryRow]:
+    summary = []
+    for case in csv_cases(rows, "us_per_node"):
+        off = rows[("torch_ext/off", case, "us_per_node")]["median"]
+        on = rows[("torch_ext/on", case, "us_per_node")]["median"]
+        added = rows[("on-off", case, "us_per_node")]
+        collect = rows[("torch_ext/collect", case, "us_per_node")]["median"]
+        nodes = int(rows[("graph", case, "nodes")]["median"])
+        summary.append(
+            SummaryRow(
+                "trace_overhead",
+                case,
+                "trace on",
+                f"off {off:.3g} us/node",
+                f"{on:.3g} us/node",
+                f"{on / off:.2f}",
+                f"{nodes} nodes; on-off {on - off:.3f} us/node (paired p20-p80 {added['p20']:.3f}-{added['p80']:.3f});"
+                f" collecting the events {collect:.3g} us/node",
+                {
+                    "off_us_per_node": off,
+                    "on_us_per_node": on,
+                    "ratio": on / off,
+                    "added_us_per_node": on - off,
+                    "collect_us_per_node": collect,
+                },
+            )
+        )
+    return summary
+
+
+def plot(rows: Sequence[SummaryRow], figure) -> None:
+    ax = figure.subplots()
+    bar_chart(
+        ax, [r.case for r in rows], {"on/off": [r.values["ratio"] for r in rows]}, "backward time per node / off", 1.0
+    )
+    ax.set_title("torch_ext.trace(): backward time per node, tracing on / off")
 
 
 if __name__ == "__main__":

@@ -679,3 +679,49 @@ def test_moe_sync_summary_from_a_csv(tmp_path):
     assert list(rows) == ["stock", "torch_ext"]
     assert rows["torch_ext"].ratio == "1.00" and rows["torch_ext"].values["all_to_all_node_ms"] == 21
     assert "synchronous" in rows["torch_ext"].notes
+
+
+def test_bench_runs_every_benchmark_script():
+    # A new script in benchmarks/ that is not added to BENCHMARK_NAMES would never run: this fails instead.
+    scripts = {path.stem for path in bench.benchmarks_dir().glob("*.py") if not path.name.startswith("_")}
+    assert scripts == set(bench.BENCHMARK_NAMES)
+    assert len(bench.BENCHMARK_NAMES) == len(set(bench.BENCHMARK_NAMES))
+
+
+def test_backward_memory_summary_from_a_csv(tmp_path):
+    mib = 2**20
+    write_rows(
+        tmp_path / "backward_memory.csv",
+        [
+            ("stock", "deep_mlp", "8x Linear", "peak_bytes", 4 * mib, 4 * mib, 4 * mib),
+            ("torch_ext", "deep_mlp", "8x Linear", "peak_bytes", 4 * mib, 4 * mib, 4 * mib),
+            ("torch_ext_replayed", "deep_mlp", "8x Linear", "peak_bytes", 4 * mib, 4 * mib, 4 * mib),
+            ("stock", "fan_in_priority", "64 branches", "peak_bytes", 2 * mib, 2 * mib, 2 * mib),
+            ("torch_ext", "fan_in_priority", "64 branches", "peak_bytes", 3 * mib, 3 * mib, 3.5 * mib),
+            ("torch_ext_replayed", "fan_in_priority", "64 branches", "peak_bytes", 3 * mib, 3 * mib, 3 * mib),
+        ],
+    )
+    rows = bench.summarize_folder(tmp_path, ["backward_memory"])
+    assert [row.case for row in rows] == ["deep_mlp", "fan_in_priority"]
+    mlp, fan_in = rows
+    assert (mlp.baseline, mlp.measured, mlp.ratio) == ("stock 4 MiB", "4 MiB", "1.00")
+    assert "differ" not in mlp.notes
+    assert (fan_in.ratio, fan_in.values["replayed_ratio"]) == ("1.50", 1.5)
+    assert "peaks differ between runs" in fan_in.notes
+
+
+def test_trace_overhead_summary_from_a_csv(tmp_path):
+    write_rows(
+        tmp_path / "trace_overhead.csv",
+        [
+            ("graph", "chain", "10000", "nodes", 10002, 10002, 10002),
+            ("torch_ext/off", "chain", "10000", "us_per_node", 2.0, 1.9, 2.1),
+            ("torch_ext/on", "chain", "10000", "us_per_node", 2.5, 2.4, 2.6),
+            ("torch_ext/collect", "chain", "10000", "us_per_node", 0.7, 0.6, 0.8),
+            ("on-off", "chain", "10000", "us_per_node", 0.4, 0.1, 0.6),
+        ],
+    )
+    (row,) = bench.summarize_folder(tmp_path, ["trace_overhead"])
+    assert (row.case, row.baseline, row.measured, row.ratio) == ("chain", "off 2 us/node", "2.5 us/node", "1.25")
+    assert row.values["added_us_per_node"] == 0.5 and row.values["collect_us_per_node"] == 0.7
+    assert "10002 nodes" in row.notes and "paired p20-p80 0.100-0.600" in row.notes

@@ -33,8 +33,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-# Every benchmark, in the order they run: cheapest first, so a broken install fails fast.
-BENCHMARK_NAMES = ("engine_overhead", "split_backward", "overlap", "recsys_torchrec", "moe_sync", "kernels")
+# Every benchmark, in the order they run: cheapest first, so a broken install fails fast. Every script of
+# benchmarks/ is one (tests/test_bench.py checks that none is left out).
+BENCHMARK_NAMES = (
+    "engine_overhead",
+    "trace_overhead",
+    "backward_memory",
+    "split_backward",
+    "overlap",
+    "recsys_torchrec",
+    "moe_sync",
+    "kernels",
+)
 # Extra outputs a benchmark writes into the results folder: (option, file name).
 EXTRA_OUTPUTS = {"overlap": (("--timeline", "overlap_timeline.png"),)}
 # How often the progress display reads the running benchmark's log.
