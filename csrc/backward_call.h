@@ -13,9 +13,11 @@
 #include <c10/core/Stream.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace torch_ext {
@@ -29,6 +31,7 @@ struct CallOptions {
 };
 
 class AccumulationBatch;
+class CollectiveLanes;
 
 // Custom Python Functions decide what to compute from ctx.needs_input_grad,
 // fixed when their forward ran, where generated nodes ask the graph task.
@@ -63,6 +66,7 @@ class BackwardCall {
       std::vector<PriorityOverride> priority_overrides);
   BackwardCall(const BackwardCall&) = delete;
   BackwardCall& operator=(const BackwardCall&) = delete;
+  ~BackwardCall();
 
   // Runs `plan` in place of discovering one from the roots: split
   // backward's passes, which rewrite a discovered plan (split_backward.cpp).
@@ -144,6 +148,41 @@ class BackwardCall {
   void capture(
       int32_t slot,
       const variable_list& seen,
+      const std::optional<c10::Stream>& node_stream);
+  // The run loop of a plan with lane nodes (run_loop.cpp): as run()'s, but a
+  // node of the collective sequence starts only in its turn, lane nodes go
+  // to their lanes, and what the lanes finish is delivered as it finishes.
+  template <bool kTraced>
+  void run_with_lanes();
+  // Whether this call can hand lane nodes to lanes: not in split backward's
+  // passes, whose kept and resumed nodes the sequence does not replay.
+  bool uses_lanes() const {
+    return plan_.has_lanes && plan_.seeds_roots && !plan_.resumes_kept_nodes &&
+        kept_ == nullptr && batch_ == nullptr;
+  }
+  // The collective sequence: every node that issues a collective (a launch,
+  // in a lane or not) in the order the plan runs them, the same on every
+  // rank with the same graph and priorities. One starts only when every one
+  // before it has; one the engine runs itself also waits for the lanes to
+  // be idle, so no collective it knows of is issued beside a lane's.
+  void build_collective_sequence();
+  bool may_start(int32_t slot) const;
+  // Makes the parked nodes whose turn has come ready again.
+  void unpark();
+  // A lane node on CPU (node_executor.cpp): its hooks before apply() run
+  // here, apply() on its group's lane; finish_lane_node does the rest when
+  // the lane returns (validate_outputs, post hooks, release, delivery).
+  bool runs_in_lane(int32_t slot) const;
+  void dispatch_to_lane(int32_t slot);
+  void finish_lane_node(
+      int32_t slot,
+      variable_list&& outputs,
+      std::exception_ptr error);
+  // Routes a node's outputs along its next edges (NaN check in anomaly mode);
+  // an AccumulateGrad's empty outputs mark its stream a leaf stream.
+  void deliver_outputs(
+      int32_t slot,
+      variable_list& outputs,
       const std::optional<c10::Stream>& node_stream);
   // Executes one ready node (node_executor.cpp).
   // `kTraced`: record it in trace_. Two instantiations, so that a call that
@@ -297,6 +336,21 @@ class BackwardCall {
   std::unique_ptr<trace::CallTrace> trace_;
   // While tracing: the event of the node running now (its launches).
   int32_t running_node_event_ = trace::kNoEvent;
+
+  // Collective lanes, while a call with lane nodes runs (run_with_lanes).
+  std::unique_ptr<CollectiveLanes> lanes_;
+  // A node whose apply() is on a lane: what its post hooks will need.
+  struct LaneNode {
+    variable_list inputs;
+    bool had_post_hooks = false;
+    int32_t trace_event = trace::kNoEvent;
+  };
+  std::unordered_map<int32_t, LaneNode> in_lane_;
+  // Per slot, its place in the collective sequence, or kNoSlot.
+  std::vector<int32_t> sequence_place_;
+  int32_t next_in_sequence_ = 0;
+  // Nodes of the sequence that became ready before their turn.
+  std::vector<int32_t> parked_;
 };
 
 // What bit-stable accumulation held, summed over every call since the last

@@ -222,6 +222,9 @@ RoleCache& role_cache() {
 PyObject* role_decider = nullptr;
 // The weak references' callback (forget_dead_class below).
 PyObject* forget_callback = nullptr;
+// torch_ext.lanes' resolver: a lane node's ctx -> its process group. Guarded
+// by the GIL.
+PyObject* lane_group_resolver = nullptr;
 
 uintptr_t key_of(PyTypeObject* node_class) {
   const auto key = reinterpret_cast<uintptr_t>(node_class);
@@ -242,8 +245,8 @@ CollectiveRole remember_role(PyTypeObject* node_class, CollectiveRole role, bool
 
 CollectiveRole role_from_int(long value) {
   TORCH_CHECK(
-      value >= 0 && value <= static_cast<long>(CollectiveRole::kWait),
-      "a collective role is 0 (none), 1 (launch) or 2 (wait), got ",
+      value >= 0 && value <= static_cast<long>(CollectiveRole::kLane),
+      "a collective role is 0 (none), 1 (launch), 2 (wait) or 3 (lane), got ",
       value);
   return static_cast<CollectiveRole>(value);
 }
@@ -341,6 +344,15 @@ PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* py_set_lane_group_resolver(PyObject* /*module*/, PyObject* resolver) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(PyCallable_Check(resolver), "the lane group resolver must be callable");
+  Py_INCREF(resolver);
+  Py_XSETREF(lane_group_resolver, resolver);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* py_collective_role_cache_size(PyObject* /*module*/, PyObject* /*unused*/) {
   return PyLong_FromSize_t(role_cache().size());
 }
@@ -360,7 +372,12 @@ PyMethodDef collective_methods[] = {
      py_collective_role,
      METH_O,
      "collective_role(node or node class) -> role of a Python Function's node, "
-     "as the engine sees it (0 none, 1 launch, 2 wait)."},
+     "as the engine sees it (0 none, 1 launch, 2 wait, 3 lane)."},
+    {"set_lane_group_resolver",
+     py_set_lane_group_resolver,
+     METH_O,
+     "set_lane_group_resolver(fn): fn(ctx) -> the process group whose lane runs "
+     "that lane node."},
     {"_collective_role_cache_size",
      py_collective_role_cache_size,
      METH_NOARGS,
@@ -394,6 +411,49 @@ bool defers_its_wait(const torch::autograd::Node& fn) {
   constexpr std::string_view kOwnOps = "GeneratedBackwardFor_torch_ext_";
   return obj != nullptr &&
       std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) == kOwnOps;
+}
+
+uintptr_t lane_group_key(const torch::autograd::Node& fn) {
+  pybind11::gil_scoped_acquire gil;
+  TORCH_INTERNAL_ASSERT(lane_group_resolver != nullptr, "torch_ext.lanes is not imported");
+  PyObject* ctx = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
+  TORCH_INTERNAL_ASSERT(ctx != nullptr);
+  THPObjectPtr group(PyObject_CallOneArg(lane_group_resolver, ctx));
+  if (!group) {
+    throw python_error();
+  }
+  // The resolver keeps every group it returned alive.
+  return reinterpret_cast<uintptr_t>(group.get());
+}
+
+void raise_if_interrupted() {
+  pybind11::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) {
+    throw python_error();
+  }
+}
+
+std::exception_ptr name_lane_node_in_error(
+    std::exception_ptr error,
+    const torch::autograd::Node& fn) {
+  const std::string where = "raised by " + fn.name() + " in its torch_ext collective lane";
+  try {
+    std::rethrow_exception(error);
+  } catch (python_error& e) {
+    pybind11::gil_scoped_acquire gil;
+    if (e.value != nullptr) {
+      THPObjectPtr note(PyUnicode_FromString(where.c_str()));
+      THPObjectPtr added(
+          note ? PyObject_CallMethod(e.value, "add_note", "O", note.get()) : nullptr);
+      if (!added) {
+        PyErr_Clear(); // the node's own error matters more than the note
+      }
+    }
+  } catch (c10::Error& e) {
+    e.add_context(where);
+  } catch (...) {
+  }
+  return error;
 }
 
 void remember_python_node_type(const torch::autograd::Node& example) {

@@ -10,7 +10,11 @@
 // allow, so everything else ready runs while the bytes move. TorchRec's
 // Req/Wait Functions make one of each (the forward Wait's node launches, the
 // forward Req's node waits); a synchronous collective (torch_ext's ops,
-// PyTorch's functional collectives, Megatron's _AllToAll) is a launch only.
+// PyTorch's functional collectives) is a launch only. A *lane* node is a
+// launch whose node blocks until its bytes have arrived (Megatron's and
+// DeepSpeed's _AllToAll) and that the user declared may run beside the rest
+// (torch_ext.run_in_lane): the engine hands its apply() to the lane of its
+// process group (collective_lane.h) and goes on with the other ready nodes.
 //
 // The role is decided once per node class and cached: discovery asks for
 // every node, without the GIL, and pays one hash lookup.
@@ -18,6 +22,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <cstdint>
+#include <exception>
 
 // CPython's own spelling, so this header does not pull in Python.h.
 typedef struct _object PyObject;
@@ -27,7 +32,12 @@ namespace torch_ext {
 // Below LAUNCH_FIRST (INT64_MAX), above anything a user would pick by hand.
 inline constexpr int64_t kCollectivePriority = int64_t{1} << 62;
 
-enum class CollectiveRole : uint8_t { kNone = 0, kLaunch = 1, kWait = 2 };
+enum class CollectiveRole : uint8_t {
+  kNone = 0,
+  kLaunch = 1,
+  kWait = 2,
+  kLane = 3,
+};
 
 // The role of `fn`'s class. Only nodes of Python autograd.Functions (PyNodes,
 // which includes torch.library ops with a Python autograd formula) can have
@@ -38,9 +48,13 @@ enum class CollectiveRole : uint8_t { kNone = 0, kLaunch = 1, kWait = 2 };
 // the GIL. Safe to call on any thread, concurrently with registration.
 CollectiveRole collective_role(const torch::autograd::Node& fn);
 
-// A launch node: the engine prioritises it (collective_role == kLaunch).
+// A node that issues a collective (kLaunch or kLane): the engine
+// prioritises it.
+inline bool is_launch(CollectiveRole role) {
+  return role == CollectiveRole::kLaunch || role == CollectiveRole::kLane;
+}
 inline bool is_collective_node(const torch::autograd::Node& fn) {
-  return collective_role(fn) == CollectiveRole::kLaunch;
+  return is_launch(collective_role(fn));
 }
 
 // Whether the collective node `fn` hands its result to the engine in flight
@@ -50,6 +64,24 @@ bool defers_its_wait(const torch::autograd::Node& fn);
 // `example` is the node of a Python autograd.Function (a PyNode), whose type
 // collective_role must recognise.
 void remember_python_node_type(const torch::autograd::Node& example);
+
+// The process group whose lane runs the lane node `fn`, as an opaque key
+// (the group object's address; the Python registry keeps it alive). Asks
+// torch_ext.lanes with the GIL, which also refuses a group the engine can see
+// is unsafe (DDP reducing on it): a python_error then.
+uintptr_t lane_group_key(const torch::autograd::Node& fn);
+
+// Raises (python_error) if a signal handler raised, such as Ctrl-C's
+// KeyboardInterrupt; takes the GIL. Python runs handlers on the main thread
+// only, so elsewhere this does nothing.
+void raise_if_interrupted();
+
+// Makes an error raised by the lane node `fn` name it: a note on a Python
+// exception (its type and message stay the node's own), context on a
+// c10::Error.
+std::exception_ptr name_lane_node_in_error(
+    std::exception_ptr error,
+    const torch::autograd::Node& fn);
 
 // Switch for the automatic priority (on by default).
 void set_auto_collective_priority(bool enabled);

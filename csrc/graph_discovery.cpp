@@ -73,10 +73,14 @@ class PlanBuilder {
       // with collectives may defer their waits or run their wait nodes late,
       // and so must know stock's delivery order (schedule_replay.h).
       const CollectiveRole role = collective_role(*fn);
-      if (role == CollectiveRole::kLaunch) {
+      if (is_launch(role)) {
         plan_.slots[slot].collective = true;
         plan_.slots[slot].defers_wait = defers_its_wait(*fn);
         plan_.has_collectives = true;
+        if (role == CollectiveRole::kLane) {
+          plan_.slots[slot].runs_in_lane = true;
+          plan_.has_lanes = true;
+        }
       } else if (role == CollectiveRole::kWait) {
         plan_.slots[slot].collective_wait = true;
         plan_.has_collectives = true;

@@ -120,6 +120,9 @@ struct NodeSlot {
   // A collective whose backward hands its result over in flight
   // (BackwardCall::defer_wait_to_first_use): torch_ext's own ops.
   bool defers_wait = false;
+  // A synchronous collective declared to run beside the rest: the call hands
+  // its apply() to the lane of its process group (collective_lane.h).
+  bool runs_in_lane = false;
   // The node waits for a collective's communication (collective_nodes.h):
   // it is queued behind every other ready node of its priority.
   bool collective_wait = false;
@@ -181,8 +184,9 @@ struct GraphPlan {
   // priority_sources (parallel to priority), which costs a second vector.
   bool record_priority_sources = false;
   std::vector<PrioritySource> priority_sources;
-  // Whether any slot is `collective`.
+  // Whether any slot is `collective`; `runs_in_lane`.
   bool has_collectives = false;
+  bool has_lanes = false;
   // Stock makes a single root the graph root itself (no incoming edge).
   bool single_root = false;
 

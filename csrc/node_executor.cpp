@@ -6,6 +6,8 @@
 
 #include "backward_call.h"
 #include "batched_accumulation.h"
+#include "collective_lane.h"
+#include "collective_nodes.h"
 #include "running_node.h"
 
 #include <ATen/DeviceAccelerator.h>
@@ -66,6 +68,22 @@ void call_hooks_before_apply(Node& fn, variable_list& inputs) {
   call_pre_hooks(fn, inputs);
 }
 
+// What follows apply(): its outputs checked against the node's edges, then
+// its post hooks, which see `inputs` if they were registered before it ran.
+variable_list validate_and_post_hooks(
+    Node& fn,
+    variable_list&& outputs,
+    const variable_list& inputs,
+    bool has_post_hooks) {
+  torch::autograd::validate_outputs(
+      fn.next_edges(), outputs, [&](const std::string& msg) {
+        std::ostringstream ss;
+        ss << "Function " << fn.name() << " returned an " << msg;
+        return std::move(ss).str();
+      });
+  return call_post_hooks(fn, std::move(outputs), inputs, has_post_hooks);
+}
+
 variable_list apply_and_post_hooks(
     Node& fn,
     variable_list&& inputs,
@@ -84,13 +102,8 @@ variable_list apply_and_post_hooks(
   } else {
     outputs = fn(std::move(inputs));
   }
-  torch::autograd::validate_outputs(
-      fn.next_edges(), outputs, [&](const std::string& msg) {
-        std::ostringstream ss;
-        ss << "Function " << fn.name() << " returned an " << msg;
-        return std::move(ss).str();
-      });
-  return call_post_hooks(fn, std::move(outputs), inputs, has_post_hooks);
+  return validate_and_post_hooks(
+      fn, std::move(outputs), inputs, has_post_hooks);
 }
 
 variable_list call_function(Node& fn, variable_list&& buffered, bool keep_graph) {
@@ -570,7 +583,18 @@ void BackwardCall::execute_node(int32_t index) {
   if (!ran.has_value()) {
     return;
   }
-  variable_list& outputs = *ran;
+  deliver_outputs(index, *ran, node_stream);
+}
+
+template void BackwardCall::execute_node<false>(int32_t index);
+template void BackwardCall::execute_node<true>(int32_t index);
+
+void BackwardCall::deliver_outputs(
+    int32_t index,
+    variable_list& outputs,
+    const std::optional<c10::Stream>& node_stream) {
+  const NodeSlot& slot = plan_.slots[index];
+  Node& fn = *slot.fn;
   if (outputs.empty()) {
     // A leaf (AccumulateGrad): its stream wrote .grad.
     if (node_stream) {
@@ -595,7 +619,84 @@ void BackwardCall::execute_node(int32_t index) {
   }
 }
 
-template void BackwardCall::execute_node<false>(int32_t index);
-template void BackwardCall::execute_node<true>(int32_t index);
+bool BackwardCall::runs_in_lane(int32_t index) const {
+  const NodeSlot& slot = plan_.slots[index];
+  // Only a node that runs whole (not captured, not split) leaves the engine
+  // thread, and only on CPU: on an accelerator its collective is issued on a
+  // stream and does not block the thread (the lane is a side stream there,
+  // collective_lane.h).
+  return slot.runs_in_lane && slot.action == NodeAction::kRun &&
+      slot.first_capture == kNoSlot && !stream_of(*slot.fn).has_value();
+}
+
+void BackwardCall::dispatch_to_lane(int32_t index) {
+  NodeSlot& slot = plan_.slots[index];
+  Node& fn = *slot.fn;
+  // Asked first: a group the engine can see is unsafe raises here, before
+  // any hook of the node has run.
+  const uintptr_t group = lane_group_key(fn);
+  InputBuffer inputs = take_buffer(slot);
+  LaneNode& lane_node = in_lane_[index];
+  if (trace_ != nullptr) {
+    lane_node.trace_event = begin_node_event(*trace_, plan_, index);
+  }
+  // The hooks run here, on the engine thread, in execute_node's state; only
+  // apply() moves to the lane.
+  c10::AutogradState::set_tls_state(task_autograd_state_);
+  c10::impl::_force_tls_local_dispatch_key_set(task_dispatch_keys_);
+  if (slot.has_pending_wait) {
+    wait_pending(index);
+  }
+  variable_list grads = std::move(inputs.buffer);
+  {
+    CurrentNodeGuard current_node(current_node_slot_, fn);
+    const RunningNode running{this, &fn};
+    RunningNodeScope running_scope(running);
+    call_hooks_before_apply(fn, grads);
+  }
+  if (!options_.keep_graph) {
+    fn.will_release_variables();
+  }
+  lane_node.had_post_hooks = !fn.post_hooks().empty();
+  if (lane_node.had_post_hooks) {
+    lane_node.inputs = grads;
+  }
+  lanes_->dispatch(
+      group, index, fn.getptr(), std::move(grads), at::ThreadLocalState());
+}
+
+void BackwardCall::finish_lane_node(
+    int32_t index,
+    variable_list&& outputs,
+    std::exception_ptr error) {
+  Node& fn = *plan_.slots[index].fn;
+  auto entry = in_lane_.find(index);
+  TORCH_INTERNAL_ASSERT(entry != in_lane_.end());
+  LaneNode lane_node = std::move(entry->second);
+  in_lane_.erase(entry);
+  trace::EndOnExit end_trace_event(
+      lane_node.trace_event == trace::kNoEvent ? nullptr : trace_.get(),
+      lane_node.trace_event);
+  if (error) {
+    failed_node_ = &fn;
+    std::rethrow_exception(name_lane_node_in_error(std::move(error), fn));
+  }
+  c10::AutogradState::set_tls_state(task_autograd_state_);
+  c10::impl::_force_tls_local_dispatch_key_set(task_dispatch_keys_);
+  variable_list delivered;
+  try {
+    CurrentNodeGuard current_node(current_node_slot_, fn);
+    delivered = validate_and_post_hooks(
+        fn, std::move(outputs), lane_node.inputs, lane_node.had_post_hooks);
+    lane_node.inputs.clear();
+    if (!options_.keep_graph) {
+      fn.release_variables();
+    }
+    deliver_outputs(index, delivered, std::nullopt);
+  } catch (...) {
+    failed_node_ = &fn;
+    throw;
+  }
+}
 
 } // namespace torch_ext

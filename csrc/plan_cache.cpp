@@ -151,7 +151,8 @@ bool rebind(
       return false;
     }
     const CollectiveRole role = collective_role(*fn);
-    if ((role == CollectiveRole::kLaunch) != slot.collective ||
+    if (is_launch(role) != slot.collective ||
+        (role == CollectiveRole::kLane) != slot.runs_in_lane ||
         (role == CollectiveRole::kWait) != slot.collective_wait ||
         (slot.collective && defers_its_wait(*fn) != slot.defers_wait)) {
       return false;

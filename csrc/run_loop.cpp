@@ -5,6 +5,8 @@
 
 #include "backward_call.h"
 #include "batched_accumulation.h"
+#include "collective_lane.h"
+#include "collective_nodes.h"
 #include "plan_cache.h"
 #include "schedule_replay.h"
 
@@ -16,6 +18,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_metadata.h>
 
+#include <functional>
 #include <mutex>
 
 namespace torch_ext {
@@ -74,6 +77,8 @@ BackwardCall::BackwardCall(
     root_streams_.push_back(producer_stream_of(grad));
   }
 }
+
+BackwardCall::~BackwardCall() = default;
 
 void BackwardCall::seed() {
   if (plan_.seeds_roots) {
@@ -160,15 +165,23 @@ void BackwardCall::run(Node* host_node) {
   int32_t running = kNoSlot;
   try {
     seed();
-    // One loop for both: with a loop per variant GCC stopped inlining the
-    // queue's pop (callgrind: +10 instructions per node untraced).
     const bool traced = trace_ != nullptr;
-    while (!ready_.empty()) {
-      running = ready_.pop();
+    if (uses_lanes()) {
       if (traced) {
-        execute_node</*kTraced=*/true>(running);
+        run_with_lanes</*kTraced=*/true>();
       } else {
-        execute_node</*kTraced=*/false>(running);
+        run_with_lanes</*kTraced=*/false>();
+      }
+    } else {
+      // One loop for both: with a loop per variant GCC stopped inlining the
+      // queue's pop (callgrind: +10 instructions per node untraced).
+      while (!ready_.empty()) {
+        running = ready_.pop();
+        if (traced) {
+          execute_node</*kTraced=*/true>(running);
+        } else {
+          execute_node</*kTraced=*/false>(running);
+        }
       }
     }
     // Collective results no node read (dropped, or delivered to nodes that
@@ -180,13 +193,109 @@ void BackwardCall::run(Node* host_node) {
     if (running != kNoSlot) {
       failed_node_ = plan_.slots[running].fn;
     }
+    if (lanes_ != nullptr) {
+      // Before anything else: a lane may still be running a node of this
+      // call. Its queued nodes are dropped.
+      lanes_->stop();
+    }
     wait_pending_after_error();
     record_held_gradients();
     throw;
   }
+  if (lanes_ != nullptr) {
+    lanes_->stop();
+  }
   record_held_gradients();
   sync_leaf_streams_with_caller();
 }
+
+void BackwardCall::build_collective_sequence() {
+  sequence_place_.assign(plan_.slots.size(), kNoSlot);
+  int32_t place = 0;
+  for (const int32_t s : planned_run_slots(plan_)) {
+    if (plan_.slots[s].collective) {
+      sequence_place_[s] = place++;
+    }
+  }
+}
+
+bool BackwardCall::may_start(int32_t slot) const {
+  const int32_t place = sequence_place_[slot];
+  if (place == kNoSlot) {
+    return true;
+  }
+  return place == next_in_sequence_ &&
+      (runs_in_lane(slot) || !lanes_->busy());
+}
+
+void BackwardCall::unpark() {
+  for (size_t i = 0; i < parked_.size(); ++i) {
+    if (may_start(parked_[i])) {
+      ready_.push(ready_key(parked_[i]));
+      parked_.erase(parked_.begin() + static_cast<std::ptrdiff_t>(i));
+      return; // one node has each place
+    }
+  }
+}
+
+template <bool kTraced>
+void BackwardCall::run_with_lanes() {
+  build_collective_sequence();
+  lanes_ = std::make_unique<CollectiveLanes>();
+  // Ctrl-C while the engine waits for a lane (the collective releases the
+  // GIL; the engine thread holds none).
+  const std::function<void()> check_interrupt = [] { raise_if_interrupted(); };
+  while (true) {
+    if (lanes_->busy()) {
+      // Waits only when nothing else is ready to run.
+      const bool block = ready_.empty();
+      for (auto& finished : lanes_->take_finished(block, check_interrupt)) {
+        finish_lane_node(
+            finished.slot, std::move(finished.outputs), finished.error);
+      }
+      if (!lanes_->busy()) {
+        // A collective the engine issues itself may have waited for this.
+        unpark();
+      }
+    }
+    if (ready_.empty()) {
+      if (lanes_->busy()) {
+        continue;
+      }
+      break;
+    }
+    const int32_t slot = ready_.pop();
+    if (!may_start(slot)) {
+      parked_.push_back(slot);
+      continue;
+    }
+    try {
+      if (runs_in_lane(slot)) {
+        dispatch_to_lane(slot);
+      } else {
+        execute_node<kTraced>(slot);
+      }
+    } catch (...) {
+      if (failed_node_ == nullptr) {
+        failed_node_ = plan_.slots[slot].fn;
+      }
+      throw;
+    }
+    if (sequence_place_[slot] != kNoSlot) {
+      ++next_in_sequence_;
+      unpark();
+    }
+  }
+  // Every node of the sequence ran: nothing the plan runs is left parked.
+  TORCH_INTERNAL_ASSERT(
+      parked_.empty(),
+      "torch_ext: ",
+      parked_.size(),
+      " collective node(s) never reached their turn in the collective sequence");
+}
+
+template void BackwardCall::run_with_lanes<false>();
+template void BackwardCall::run_with_lanes<true>();
 
 std::vector<Node*> BackwardCall::planned_order() const {
   return planned_run_order(plan_);

@@ -122,7 +122,7 @@ void order_deliveries_as_stock(GraphPlan& plan, bool every_slot_runs) {
   plan.stock_order_known = true;
 }
 
-std::vector<Node*> planned_run_order(const GraphPlan& plan) {
+std::vector<int32_t> planned_run_slots(const GraphPlan& plan) {
   // A delivery from a node that hands its result over in flight makes its
   // target wait late (BackwardCall::ready_key).
   std::vector<char> receives_in_flight(plan.slots.size(), 0);
@@ -138,7 +138,7 @@ std::vector<Node*> planned_run_order(const GraphPlan& plan) {
       }
     }
   }
-  std::vector<Node*> order;
+  std::vector<int32_t> order;
   replay_schedule(
       plan,
       /*every_slot_runs=*/false,
@@ -151,7 +151,15 @@ std::vector<Node*> planned_run_order(const GraphPlan& plan) {
         return ReadyNode{priority, sequence_nr, s};
       },
       [](size_t, int32_t, uint32_t) {},
-      [&](int32_t s) { order.push_back(plan.slots[s].fn); });
+      [&](int32_t s) { order.push_back(s); });
+  return order;
+}
+
+std::vector<Node*> planned_run_order(const GraphPlan& plan) {
+  std::vector<Node*> order;
+  for (const int32_t s : planned_run_slots(plan)) {
+    order.push_back(plan.slots[s].fn);
+  }
   return order;
 }
 

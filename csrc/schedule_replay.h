@@ -30,6 +30,9 @@ void order_deliveries_as_stock(GraphPlan& plan, bool every_slot_runs);
 // flight (a slot that `defers_wait` delivers to). Replayed from the plan
 // alone, nothing run.
 std::vector<Node*> planned_run_order(const GraphPlan& plan);
+// The same order, as the plan's slots: what fixes the order of a call's
+// collectives on every rank (BackwardCall's collective sequence).
+std::vector<int32_t> planned_run_slots(const GraphPlan& plan);
 
 // The nodes a torch_ext backward from `roots` would run (grad() semantics
 // with `inputs`, backward() without), in torch_ext's order, with

@@ -81,18 +81,16 @@ def test_torchrec_comm_ops_roles():
     assert list(expected.values()).count("wait") == 8, expected
 
 
-@pytest.mark.parametrize(
-    "module, role",
-    [
-        ("megatron.core.tensor_parallel.mappings", "launch"),
-        ("deepspeed.moe.sharded_moe", "launch"),
-        ("my_library.moe", None),
-    ],
-)
-def test_builtin_role_of_a_synchronous_all_to_all(module, role):
-    # A stand-in with the library's module and name: the rule reads nothing else of the class.
+@pytest.mark.parametrize("module", ["megatron.core.tensor_parallel.mappings", "deepspeed.moe.sharded_moe", "my_library.moe"])
+def test_a_synchronous_all_to_all_keeps_stock_order_until_declared_to_a_lane(module):
+    # A stand-in with the library's module and name: the rule reads nothing else of the class. Megatron's and
+    # DeepSpeed's block in their node, so priority alone would gain nothing: no built-in role.
     _AllToAll = type("_AllToAll", (torch.autograd.Function,), {"__module__": module})
-    assert torch_ext.collective_role(_AllToAll) == role
+    assert torch_ext.collective_role(_AllToAll) is None
+    torch_ext.run_in_lane(_AllToAll)
+    assert torch_ext.collective_role(_AllToAll) == "lane"
+    torch_ext.unregister_collective_backward(_AllToAll)
+    assert torch_ext.collective_role(_AllToAll) is None
 
 
 def test_importing_torch_ext_imports_no_collective_library():

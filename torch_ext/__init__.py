@@ -7,6 +7,7 @@ for and the one it found) when that is not possible; see torch_ext/_loader.py.
 from torch_ext.collectives import collective_role, register_collective_backward, unregister_collective_backward
 from torch_ext.current_node import current_node_supported
 from torch_ext.engine import Engine, backward, disable, enable, enabled, grad, is_enabled
+from torch_ext.lanes import run_in_lane
 from torch_ext.order import execution_order
 from torch_ext.priority import (
     LAUNCH_FIRST,
@@ -49,6 +50,7 @@ __all__ = [
     "launch_first",
     "ops",
     "register_collective_backward",
+    "run_in_lane",
     "set_auto_collective_priority",
     "set_priority",
     "set_weight_accumulation_batching",

@@ -24,10 +24,13 @@ node sends and waits: ``register_collective_backward(launches=MyAllToAll)``.
 Built in, without importing any of these libraries: torch_ext's own collective ops
 (:mod:`torch_ext.ops`), PyTorch's functional collectives (``_c10d_functional`` and
 ``_c10d_functional_autograd`` ops), TorchRec's ``torchrec.distributed.comm_ops`` (every Req/Wait
-pair, its synchronous ``AllToAllSingle`` and its ``torchrec::`` collective ops), and the synchronous
-``_AllToAll`` of Megatron-core (``megatron.core.tensor_parallel.mappings``) and DeepSpeed
-(``deepspeed.moe.sharded_moe``). They are matched by the module and name of the forward Function
-class, once per class.
+pair, its synchronous ``AllToAllSingle`` and its ``torchrec::`` collective ops). They are matched by
+the module and name of the forward Function class, once per class.
+
+The synchronous ``_AllToAll`` of Megatron-core (``megatron.core.tensor_parallel.mappings``) and DeepSpeed
+(``deepspeed.moe.sharded_moe``) block inside their node, so starting them earlier gains nothing: they
+keep stock's order until declared to a *lane* (:func:`torch_ext.run_in_lane`, role ``"lane"``), where
+their node runs beside the rest of backward.
 
 The engine decides a node class's role once, the first time it meets the class, and keeps it for as
 long as the class lives: a registration wins over the built-in rules, and a later registration of
@@ -48,8 +51,8 @@ from torch_ext._loader import load_extension
 
 _C = load_extension()
 
-_NONE, _LAUNCH, _WAIT = 0, 1, 2
-_ROLE_NAMES = {_NONE: None, _LAUNCH: "launch", _WAIT: "wait"}
+_NONE, _LAUNCH, _WAIT, _LANE = 0, 1, 2, 3
+_ROLE_NAMES = {_NONE: None, _LAUNCH: "launch", _WAIT: "wait", _LANE: "lane"}
 
 # torch.library.register_autograd names the Function class it generates
 # "GeneratedBackwardFor_{namespace}_{op}_{overload}"; its node class adds "Backward"
@@ -92,10 +95,11 @@ _KNOWN_FUNCTIONS: dict[tuple[str, str], int] = {
     },
     # The *_sync paths (torchrec_use_sync_collectives): backward issues a functional all_to_all.
     (_TORCHREC_COMM_OPS, "AllToAllSingle"): _LAUNCH,
-    # Mixture-of-experts token exchange, synchronous: backward runs the reverse all_to_all and
-    # returns when it has finished, so ordering can only start it earlier.
-    ("megatron.core.tensor_parallel.mappings", "_AllToAll"): _LAUNCH,
-    ("deepspeed.moe.sharded_moe", "_AllToAll"): _LAUNCH,
+    # Not here: the mixture-of-experts token exchange of Megatron-core
+    # (megatron.core.tensor_parallel.mappings._AllToAll) and DeepSpeed (deepspeed.moe.sharded_moe._AllToAll),
+    # synchronous: backward runs the reverse all_to_all and returns when it has finished. Started earlier by
+    # priority alone it gains nothing and cost 1.03-1.06x stock's backward (benchmarks/moe_sync.py), so it
+    # keeps stock's order unless declared to a lane (torch_ext.run_in_lane), where it runs beside the rest.
 }
 
 
@@ -195,8 +199,10 @@ def unregister_collective_backward(*functions: type) -> None:
         _C.set_collective_role(node_class, _NONE)
 
 
-def collective_role(target: torch.Tensor | torch.autograd.graph.Node | type) -> Literal["launch", "wait"] | None:
-    """What the engine takes ``target``'s backward node for: ``"launch"``, ``"wait"`` or None.
+def collective_role(
+    target: torch.Tensor | torch.autograd.graph.Node | type,
+) -> Literal["launch", "wait", "lane"] | None:
+    """What the engine takes ``target``'s backward node for: ``"launch"``, ``"wait"``, ``"lane"`` or None.
 
     ``target`` is a tensor (its ``grad_fn``), a backward node, or a Function class (its backward node
     class).
