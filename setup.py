@@ -30,6 +30,9 @@ TORCHREC_DEPENDENCIES = [
 # Megatron-core's synchronous MoE all_to_all (tests/distributed/test_sync_collectives.py; 0.16.1 is the
 # last release for Python 3.11) and a Hugging Face training loop (tests/test_plan_cache.py).
 CLIENT_LIBRARIES = ["megatron-core==0.16.1", "transformers==5.24.0"]
+# The documentation (docs/, built by .ci/run with warnings as errors): Sphinx, and myst-parser for the guides in
+# Markdown. Pinned together: myst-parser 5.2 supports Sphinx 8-9; both install on Python 3.11.
+DOCS_REQUIREMENTS = ["sphinx==9.0.4", "myst-parser==5.2.0"]
 
 
 class BuildWithInfo(BuildExtension):
@@ -78,7 +81,10 @@ setup(
             "tqdm",
             *TORCHREC_DEPENDENCIES,
             *CLIENT_LIBRARIES,
+            # .ci/run builds the docs after the tests, from the README's install command.
+            *DOCS_REQUIREMENTS,
         ],
+        "docs": DOCS_REQUIREMENTS,
         # `python -m torch_ext bench`: its plots and progress bar (without them it prints lines and no plots).
         "bench": ["matplotlib", "tqdm"],
     },
