@@ -345,13 +345,18 @@ class Program:
     runs: int
     dtype: torch.dtype = torch.float32
 
-    def build(self):
-        """``(roots, leaves followed by the values that retain their grad)``, from the current seed."""
+    def build(self, wrap: Callable | None = None):
+        """``(roots, leaves followed by the values that retain their grad)``, from the current seed.
+
+        ``wrap(i, value)``, when given, replaces the result of op ``i`` before anything reads it.
+        """
         values = [torch.randn(N, N, dtype=self.dtype, requires_grad=True) for _ in range(NUM_LEAVES)]
         retained = []
         for i, op in enumerate(self.ops):
             fn = UNARY.get(op.name) or BINARY[op.name]
             value = fn(*(values[a] for a in op.args))
+            if wrap is not None:
+                value = wrap(i, value)
             if op.hook is not None:
                 replace = (lambda g: g * 0.5) if op.hook == "replace" else None
                 value.register_hook(hook(f"value {NUM_LEAVES + i}", replace))
