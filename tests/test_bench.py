@@ -664,21 +664,31 @@ def test_recsys_torchrec_quick_run_matches_stock_and_reports(tmp_path):
 
 
 def test_moe_sync_summary_from_a_csv(tmp_path):
-    size = "2048 tokens x 256d per expert, 4 dense layers, 2 hosts over a veth shaped to 1gbit"
-    write_rows(
-        tmp_path / "moe_sync.csv",
-        [
-            ("comm", "moe_sync", size, "backward_ms", 36, 35, 37),
-            ("stock", "moe_sync", size, "backward_ms", 74, 71, 79),
-            ("stock", "moe_sync", size, "all_to_all_node_ms", 36, 35, 37),
-            ("torch_ext", "moe_sync", size, "backward_ms", 74, 70, 80),
-            ("torch_ext", "moe_sync", size, "all_to_all_node_ms", 21, 20, 22),
-        ],
-    )
-    rows = {row.variant: row for row in bench.summarize_folder(tmp_path, ["moe_sync"])}
-    assert list(rows) == ["stock", "torch_ext"]
-    assert rows["torch_ext"].ratio == "1.00" and rows["torch_ext"].values["all_to_all_node_ms"] == 21
-    assert "synchronous" in rows["torch_ext"].notes
+    link = "2 hosts over a veth shaped to 1gbit"
+    rows = []
+    for ratio, layers, lane_efficiency in ((0.5, 4, 0.3), (2, 14, 0.7)):
+        size = f"2048 tokens x 256d per expert, {layers} dense layers, {link}"
+        case = f"megatron x{ratio:g}"
+        rows.append(("comm", case, size, "backward_ms", 20, 19, 21))
+        for variant, backward, step, efficiency in (
+            ("compute", 30, 60, None),
+            ("stock", 70, 160, -0.1),
+            ("priority", 70, 160, 0.0),
+            ("lane", 56, 140, lane_efficiency),
+        ):
+            rows.append((variant, case, size, "backward_ms", backward, backward, backward))
+            rows.append((variant, case, size, "step_ms", step, step, step))
+            if efficiency is not None:
+                rows.append((variant, case, size, "efficiency", efficiency, efficiency, efficiency))
+    write_rows(tmp_path / "moe_sync.csv", rows)
+    summary = {row.variant: row for row in bench.summarize_folder(tmp_path, ["moe_sync"])}
+    assert list(summary) == ["stock", "priority", "lane"]
+    lane = summary["lane"]
+    assert lane.case == f"Megatron-core, {link}"
+    assert lane.values["efficiency"] == pytest.approx(0.5) and lane.values["ideal_efficiency"] == 0.75
+    assert lane.values["step_ratio"] == pytest.approx(140 / 160) and lane.ratio == "0.80"
+    assert lane.values["efficiency x0.5"] == pytest.approx(0.3) and lane.values["efficiency x2"] == pytest.approx(0.7)
+    assert "x0.5: 0.30, x2: 0.70" in lane.notes
 
 
 def test_bench_runs_every_benchmark_script():
