@@ -27,9 +27,11 @@ TORCHREC_DEPENDENCIES = [
     "iopath==0.1.10",
 ]
 # Libraries whose programs the tests run on torch_ext's engine, each light and pure Python on CPU:
-# Megatron-core's synchronous MoE all_to_all (tests/distributed/test_sync_collectives.py; 0.16.1 is the
-# last release for Python 3.11) and a Hugging Face training loop (tests/test_plan_cache.py).
-CLIENT_LIBRARIES = ["megatron-core==0.16.1", "transformers==5.24.0"]
+# Megatron-core's and DeepSpeed's synchronous MoE all_to_all (tests/distributed/test_sync_collectives.py,
+# benchmarks/moe_sync.py; megatron-core 0.16.1 is the last release for Python 3.11; DeepSpeed builds no ops at
+# install, and JIT-builds only a CPU comm op at its first init_distributed) and a Hugging Face training loop
+# (tests/test_plan_cache.py).
+CLIENT_LIBRARIES = ["megatron-core==0.16.1", "deepspeed==0.19.8", "transformers==5.24.0"]
 # The documentation (docs/, built by .ci/run with warnings as errors): Sphinx, and myst-parser for the guides in
 # Markdown. Pinned together: myst-parser 5.2 supports Sphinx 8-9; both install on Python 3.11.
 DOCS_REQUIREMENTS = ["sphinx==9.0.4", "myst-parser==5.2.0"]

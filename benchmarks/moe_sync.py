@@ -62,6 +62,8 @@ MAX_DENSE_LAYERS = 64
 # The dense path's backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
 RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
 QUICK_RATIOS = (0.5, 1.0, 2.0)
+# Untimed all_to_alls before calibrating: the first ones of a process are slower.
+WARMUP_ALL_TO_ALLS = 3
 ENGINE_VARIANTS = ("stock", "priority", "lane")
 TIMED_VARIANTS = ("compute", *ENGINE_VARIANTS)
 LIBRARIES = ("megatron", "deepspeed")
@@ -155,14 +157,24 @@ def _check_bits(model: Layer, tokens: torch.Tensor, function: type, rank: int, l
             raise AssertionError(f"rank {rank}, {library}: {variant}'s gradients differ from stock's")
 
 
-def _run_library(library: str, ratios: Sequence[float], reps: int, warmup: int, calibration_reps: int) -> dict:
-    rank = dist.get_rank()
-    all_to_all, function = library_all_to_all(library)
+def _calibrate(calibration_reps: int) -> tuple[float, float]:
+    """(T_comm, one dense layer's backward s), the slower rank's, before any library is imported."""
     tokens = torch.randn(WORLD_SIZE * CAPACITY, DIM)
+    for _ in range(WARMUP_ALL_TO_ALLS):
+        timed_all_to_all(tokens)
     t_comm = agreed_max(statistics.median(timed_all_to_all(tokens) for _ in range(calibration_reps)))
     layer = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
     x = torch.randn(DENSE_ROWS, DIM, requires_grad=True)
     t_layer = agreed_max(median_backward_s(lambda: layer(x).sum(), calibration_reps))
+    return t_comm, t_layer
+
+
+def _run_library(
+    library: str, ratios: Sequence[float], reps: int, warmup: int, t_comm: float, t_layer: float
+) -> dict:
+    rank = dist.get_rank()
+    all_to_all, function = library_all_to_all(library)
+    tokens = torch.randn(WORLD_SIZE * CAPACITY, DIM)
     points = []
     for ratio in ratios:
         dense_layers = int(min(MAX_DENSE_LAYERS, max(1, round(ratio * t_comm / t_layer))))
@@ -189,7 +201,11 @@ def _run_rank(libraries: Sequence[str], ratios: Sequence[float], reps: int, warm
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     try:
-        result = {library: _run_library(library, ratios, reps, warmup, calibration_reps) for library in libraries}
+        # Once, for every library: calibrated after each library's import, the first one's T_comm read 1.5-1.8x
+        # the all_to_all's time in its timed repetitions (28.9 and 37.1 ms against about 20), so its sweep points
+        # were that much longer than the ratios asked for.
+        t_comm, t_layer = _calibrate(calibration_reps)
+        result = {library: _run_library(library, ratios, reps, warmup, t_comm, t_layer) for library in libraries}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         return gathered

@@ -178,6 +178,12 @@ class BackwardCall {
       int32_t slot,
       variable_list&& outputs,
       std::exception_ptr error);
+  // A lane node on an accelerator (execute_node): the side stream of
+  // `node_stream`'s device that it runs on instead, made to wait for what
+  // that stream has queued; `inputs` are recorded as used on it.
+  c10::Stream move_to_side_stream(
+      const c10::Stream& node_stream,
+      const variable_list& inputs);
   // Routes a node's outputs along its next edges (NaN check in anomaly mode);
   // an AccumulateGrad's empty outputs mark its stream a leaf stream.
   void deliver_outputs(
@@ -346,6 +352,9 @@ class BackwardCall {
     int32_t trace_event = trace::kNoEvent;
   };
   std::unordered_map<int32_t, LaneNode> in_lane_;
+  // Accelerator lane nodes' side stream, one per device (every lane node of
+  // a device runs on it, so they stay in the collective sequence's order).
+  std::unordered_map<c10::Device, c10::Stream> side_streams_;
   // Per slot, its place in the collective sequence, or kNoSlot.
   std::vector<int32_t> sequence_place_;
   int32_t next_in_sequence_ = 0;

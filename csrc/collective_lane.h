@@ -10,7 +10,10 @@
 // (its hooks stay on the engine thread) and goes on with every other ready
 // node; when apply() returns, the engine delivers its outputs like any other
 // node's. The collective releases the GIL while it waits, and the dense nodes
-// are C++, so both proceed on CPU.
+// are C++, so both proceed on CPU. On an accelerator the node's collective
+// does not block the thread but the stream it is issued on: there the lane
+// is a side stream instead (BackwardCall::move_to_side_stream), and no
+// thread is involved.
 //
 // A lane runs its group's nodes one at a time, in the order they were handed
 // to it. Which order that is, across the lanes and the collectives the engine

@@ -18,6 +18,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -568,11 +569,23 @@ void BackwardCall::execute_node(int32_t index) {
   c10::AutogradState::set_tls_state(task_autograd_state_);
   c10::impl::_force_tls_local_dispatch_key_set(task_dispatch_keys_);
 
-  const auto node_stream = inputs.opt_overridden_consumer_stream.has_value()
+  auto node_stream = inputs.opt_overridden_consumer_stream.has_value()
       ? inputs.opt_overridden_consumer_stream
       : stream_of(fn);
   c10::OptionalStreamGuard node_stream_guard{node_stream};
   wait_for_ready_inputs(inputs, node_stream);
+  if (C10_UNLIKELY(slot.runs_in_lane) && node_stream.has_value() &&
+      lanes_ != nullptr) {
+    // A lane node on an accelerator: its collective is issued on the
+    // lane's side stream, so the streams of the nodes run after it do not
+    // wait for the communication; its outputs carry that stream, and their
+    // readers wait on it through their input buffers' events.
+    // Its group is not needed (one side stream per device), but asking
+    // refuses one the engine can see is unsafe, as on CPU.
+    lane_group_key(fn);
+    node_stream = move_to_side_stream(*node_stream, inputs.buffer);
+    node_stream_guard.reset_stream(*node_stream);
+  }
   if (slot.has_pending_wait) {
     // A collective's result arrived here in flight; this is its first reader.
     wait_pending(index);
@@ -619,12 +632,39 @@ void BackwardCall::deliver_outputs(
   }
 }
 
+c10::Stream BackwardCall::move_to_side_stream(
+    const c10::Stream& node_stream,
+    const variable_list& inputs) {
+  const c10::Device device = node_stream.device();
+  auto side = side_streams_.find(device);
+  if (side == side_streams_.end()) {
+    const c10::impl::VirtualGuardImpl guard{device.type()};
+    side = side_streams_.emplace(device, guard.getNewStream(device)).first;
+  }
+  const c10::Stream lane_stream = side->second;
+  // The side stream starts after everything the node's own stream has
+  // queued, its inputs included (wait_for_ready_inputs made that stream
+  // wait for their producers).
+  c10::Event inputs_ready{device.type()};
+  inputs_ready.record(node_stream);
+  lane_stream.wait(inputs_ready);
+  // The inputs were allocated on other streams and are freed when the node
+  // returns, while the side stream may still read them: the caching
+  // allocator must not hand their memory out before it has.
+  for (const auto& input : inputs) {
+    if (input.defined() && input.device() == device) {
+      input.record_stream(lane_stream);
+    }
+  }
+  return lane_stream;
+}
+
 bool BackwardCall::runs_in_lane(int32_t index) const {
   const NodeSlot& slot = plan_.slots[index];
   // Only a node that runs whole (not captured, not split) leaves the engine
   // thread, and only on CPU: on an accelerator its collective is issued on a
-  // stream and does not block the thread (the lane is a side stream there,
-  // collective_lane.h).
+  // stream and does not block the thread; the lane is a side stream there
+  // (move_to_side_stream).
   return slot.runs_in_lane && slot.action == NodeAction::kRun &&
       slot.first_capture == kNoSlot && !stream_of(*slot.fn).has_value();
 }

@@ -551,3 +551,52 @@ def test_checkpointed_segment_on_side_stream(use_reentrant):
     run_on_both(scenario)
     for engine, log in log_per_engine.items():
         assert log and all(bwd == side for _, bwd in log), engine
+
+
+class _SideStreamExchange(Function):
+    """A synchronous collective's stand-in on CUDA: backward keeps its stream busy (as NCCL's all_to_all makes
+    the issuing stream wait for the transfer), then writes; it records the stream it ran on."""
+
+    streams: list[torch.cuda.Stream] = []
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        _SideStreamExchange.streams.append(torch.cuda.current_stream())
+        torch.cuda._sleep(int(DELAY_MS * 1e6))  # ~DELAY_MS at 1 GHz
+        return grad * 2, None
+
+
+def test_lane_node_runs_on_a_side_stream_and_its_readers_wait_for_it():
+    import datetime
+
+    import torch.distributed as dist
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
+
+    def run(engine_backward):
+        torch.manual_seed(SEED)
+        x = torch.randn(SIZE, device="cuda", requires_grad=True)
+        w = torch.randn(SIZE, device="cuda", requires_grad=True)
+        moe = _SideStreamExchange.apply(x * w, group) * 3  # its reader waits for the side stream
+        dense = x
+        for _ in range(4):
+            dense = dense * w + 1
+        engine_backward((moe.sum() + dense.sum()))
+        return x.grad.clone(), w.grad.clone()
+
+    _SideStreamExchange.streams.clear()
+    expected = run(torch.autograd.backward)
+    torch_ext.run_in_lane(_SideStreamExchange)
+    try:
+        actual = run(torch_ext.backward)
+    finally:
+        torch_ext.unregister_collective_backward(_SideStreamExchange)
+    torch.cuda.synchronize()
+    assert all(tensors_identical(a, e) for a, e in zip(actual, expected, strict=True))
+    stock_stream, lane_stream = _SideStreamExchange.streams
+    assert lane_stream != stock_stream
