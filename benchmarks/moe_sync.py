@@ -11,6 +11,7 @@ capacity, combined back) beside a dense path, for each library:
              all_to_all first, still blocking the engine
   lane       torch_ext with torch_ext.run_in_lane(_AllToAll): the all_to_all dispatched first to its group's
              lane, the dense path run beside it
+  checked    the lane with the collective order check on (torch_ext.check_collective_order): its cost
   comm       the all_to_all alone (T_comm)
 
 The dense path's backward is swept over multiples of T_comm (--ratios): exposed communication is
@@ -64,7 +65,7 @@ RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
 QUICK_RATIOS = (0.5, 1.0, 2.0)
 # Untimed all_to_alls before calibrating: the first ones of a process are slower.
 WARMUP_ALL_TO_ALLS = 3
-ENGINE_VARIANTS = ("stock", "priority", "lane")
+ENGINE_VARIANTS = ("stock", "priority", "lane", "checked")
 TIMED_VARIANTS = ("compute", *ENGINE_VARIANTS)
 LIBRARIES = ("megatron", "deepspeed")
 LIBRARY_NAMES = {"megatron": "Megatron-core", "deepspeed": "DeepSpeed"}
@@ -123,11 +124,27 @@ def variant_engine(variant: str, function: type):
         torch_ext.register_collective_backward(launches=function)
     else:
         torch_ext.run_in_lane(function)
+    checked = variant == "checked"
+    if checked:
+        # Its exchange group is made at the first check, in _check_bits, before anything is timed.
+        torch_ext.check_collective_order(group=_check_group())
     try:
         with torch_ext.enabled():
             yield
     finally:
         torch_ext.unregister_collective_backward(function)
+        if checked:
+            torch_ext.check_collective_order(False)
+
+
+_CHECK_GROUP = []
+
+
+def _check_group():
+    """One gloo group for the order check's exchanges, made once (new_group is itself collective)."""
+    if not _CHECK_GROUP:
+        _CHECK_GROUP.append(dist.new_group(backend="gloo"))
+    return _CHECK_GROUP[0]
 
 
 def _step(model: Layer, optimizer, tokens: torch.Tensor, variant: str, function: type) -> tuple[float, float]:
@@ -330,6 +347,8 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
         link = rows[("stock", points[0][1], "backward_ms")]["size"].rpartition(", ")[2]
         ideal = statistics.mean(min(1.0, ratio) for ratio, _ in points)
         for variant in ENGINE_VARIANTS:
+            if (variant, points[0][1], "efficiency") not in rows:
+                continue  # a CSV from before the variant existed
             efficiencies = [rows[(variant, case, "efficiency")]["median"] for _, case in points]
             step_ratios = [
                 rows[(variant, case, "step_ms")]["median"] / rows[("stock", case, "step_ms")]["median"]

@@ -5,6 +5,7 @@
 // backward inside a node, reentrant checkpoint) and calls from other threads
 // never share state.
 
+#include "collective_nodes.h"
 #include "graph_plan.h"
 #include "scheduler.h"
 #include "trace.h"
@@ -154,11 +155,15 @@ class BackwardCall {
   // to their lanes, and what the lanes finish is delivered as it finishes.
   template <bool kTraced>
   void run_with_lanes();
-  // Whether this call can hand lane nodes to lanes: not in split backward's
-  // passes, whose kept and resumed nodes the sequence does not replay.
+  // Whether this call runs its collectives in sequence (run_with_lanes): to
+  // hand lane nodes to lanes, or for the collective order check. Not in
+  // split backward's passes, whose kept and resumed nodes the sequence does
+  // not replay.
   bool uses_lanes() const {
-    return plan_.has_lanes && plan_.seeds_roots && !plan_.resumes_kept_nodes &&
-        kept_ == nullptr && batch_ == nullptr;
+    return (plan_.has_lanes ||
+            (plan_.has_collectives && collective_check_enabled())) &&
+        plan_.seeds_roots && !plan_.resumes_kept_nodes && kept_ == nullptr &&
+        batch_ == nullptr;
   }
   // The collective sequence: every node that issues a collective (a launch,
   // in a lane or not) in the order the plan runs them, the same on every

@@ -2,6 +2,7 @@
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
@@ -225,6 +226,10 @@ PyObject* forget_callback = nullptr;
 // torch_ext.lanes' resolver: a lane node's ctx -> its process group. Guarded
 // by the GIL.
 PyObject* lane_group_resolver = nullptr;
+// torch_ext.collective_check's checker, or null when the check is off.
+// Written with the GIL; read without it by collective_check_enabled.
+PyObject* collective_checker = nullptr;
+std::atomic<bool> collective_check_on{false};
 
 uintptr_t key_of(PyTypeObject* node_class) {
   const auto key = reinterpret_cast<uintptr_t>(node_class);
@@ -353,6 +358,23 @@ PyObject* py_set_lane_group_resolver(PyObject* /*module*/, PyObject* resolver) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* py_set_collective_checker(PyObject* /*module*/, PyObject* checker) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(
+      checker == Py_None || PyCallable_Check(checker),
+      "the collective checker must be callable or None");
+  if (checker == Py_None) {
+    collective_check_on.store(false);
+    Py_CLEAR(collective_checker);
+  } else {
+    Py_INCREF(checker);
+    Py_XSETREF(collective_checker, checker);
+    collective_check_on.store(true);
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* py_collective_role_cache_size(PyObject* /*module*/, PyObject* /*unused*/) {
   return PyLong_FromSize_t(role_cache().size());
 }
@@ -373,6 +395,12 @@ PyMethodDef collective_methods[] = {
      METH_O,
      "collective_role(node or node class) -> role of a Python Function's node, "
      "as the engine sees it (0 none, 1 launch, 2 wait, 3 lane)."},
+    {"set_collective_checker",
+     py_set_collective_checker,
+     METH_O,
+     "set_collective_checker(fn or None): fn(node, position, inputs) before "
+     "each collective a call issues (node None and inputs None at its end, "
+     "position the count); None switches the check off."},
     {"set_lane_group_resolver",
      py_set_lane_group_resolver,
      METH_O,
@@ -424,6 +452,53 @@ uintptr_t lane_group_key(const torch::autograd::Node& fn) {
   }
   // The resolver keeps every group it returned alive.
   return reinterpret_cast<uintptr_t>(group.get());
+}
+
+bool collective_check_enabled() {
+  return collective_check_on.load(std::memory_order_relaxed);
+}
+
+namespace {
+void call_collective_checker(PyObject* node, int32_t position, PyObject* inputs) {
+  if (collective_checker == nullptr) {
+    return; // switched off since the call started
+  }
+  THPObjectPtr checked(PyObject_CallFunction(
+      collective_checker, "OiO", node, static_cast<int>(position), inputs));
+  if (!checked) {
+    throw python_error();
+  }
+}
+} // namespace
+
+void check_collective(
+    const torch::autograd::Node& fn,
+    int32_t position,
+    const torch::autograd::variable_list& inputs) {
+  pybind11::gil_scoped_acquire gil;
+  // Collective nodes are Python Functions' (collective_role); another node
+  // would be named by its name() alone.
+  PyObject* ctx = &typeid(fn) == python_node_type.load(std::memory_order_relaxed)
+      ? static_cast<const torch::autograd::PyNode&>(fn).pyobj()
+      : nullptr;
+  THPObjectPtr node(ctx != nullptr ? Py_NewRef(ctx) : PyUnicode_FromString(fn.name().c_str()));
+  THPObjectPtr gradients(PyList_New(static_cast<Py_ssize_t>(inputs.size())));
+  if (!node || !gradients) {
+    throw python_error();
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    PyObject* gradient = inputs[i].defined() ? THPVariable_Wrap(inputs[i]) : Py_NewRef(Py_None);
+    if (gradient == nullptr) {
+      throw python_error();
+    }
+    PyList_SET_ITEM(gradients.get(), static_cast<Py_ssize_t>(i), gradient);
+  }
+  call_collective_checker(node.get(), position, gradients.get());
+}
+
+void check_end_of_collectives(int32_t count) {
+  pybind11::gil_scoped_acquire gil;
+  call_collective_checker(Py_None, count, Py_None);
 }
 
 void raise_if_interrupted() {

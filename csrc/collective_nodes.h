@@ -83,6 +83,19 @@ std::exception_ptr name_lane_node_in_error(
     std::exception_ptr error,
     const torch::autograd::Node& fn);
 
+// The collective order check (torch_ext.check_collective_order): whether it
+// is on, and its two questions, each asked with the GIL. `check_collective`
+// before the node `fn` that issues a collective starts, as the call's
+// `position`-th one, with `inputs` the gradients it was given;
+// `check_end_of_collectives` when a call issued `count` and no more. Both
+// compare with the other ranks and raise (python_error) on a mismatch.
+bool collective_check_enabled();
+void check_collective(
+    const torch::autograd::Node& fn,
+    int32_t position,
+    const torch::autograd::variable_list& inputs);
+void check_end_of_collectives(int32_t count);
+
 // Switch for the automatic priority (on by default).
 void set_auto_collective_priority(bool enabled);
 bool auto_collective_priority();

@@ -269,6 +269,12 @@ void BackwardCall::run_with_lanes() {
       parked_.push_back(slot);
       continue;
     }
+    if (sequence_place_[slot] != kNoSlot && collective_check_enabled()) {
+      // The ranks agree on this collective before any of them issues it: a
+      // mismatch raises here on every rank, where it would hang later.
+      const NodeSlot& node = plan_.slots[slot];
+      check_collective(*node.fn, sequence_place_[slot], buffer_of(node).buffer);
+    }
     try {
       if (runs_in_lane(slot)) {
         dispatch_to_lane(slot);
@@ -285,6 +291,9 @@ void BackwardCall::run_with_lanes() {
       ++next_in_sequence_;
       unpark();
     }
+  }
+  if (collective_check_enabled()) {
+    check_end_of_collectives(next_in_sequence_);
   }
   // Every node of the sequence ran: nothing the plan runs is left parked.
   TORCH_INTERNAL_ASSERT(

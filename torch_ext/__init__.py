@@ -4,6 +4,7 @@ Importing torch_ext loads its C++ engine first and fails loudly (naming the torc
 for and the one it found) when that is not possible; see torch_ext/_loader.py.
 """
 
+from torch_ext.collective_check import check_collective_order, collective_checks
 from torch_ext.collectives import collective_role, register_collective_backward, unregister_collective_backward
 from torch_ext.current_node import current_node_supported
 from torch_ext.engine import Engine, backward, disable, enable, enabled, grad, is_enabled
@@ -36,7 +37,9 @@ __all__ = [
     "backward",
     "backward_input",
     "backward_weight",
+    "check_collective_order",
     "clear_priority",
+    "collective_checks",
     "collective_role",
     "current_node_supported",
     "disable",
