@@ -82,8 +82,12 @@ def test_current_node_switch(mode):
     supported, current = out.split()
     if mode == "off":
         assert (supported, current) == ("False", "torch_ext::BackwardDriver")
-    elif torch_ext.current_node_supported():
-        assert (supported, current) == ("True", "ExpBackward0")
+        return
+    if supported == "False":
+        # The slot could not be located safely in this build of torch (current_node.cpp): the driver stays the
+        # current node, which the "off" case checks.
+        pytest.skip("the current-node slot is unsupported with this torch build")
+    assert current == "ExpBackward0"
 
 
 def test_bad_current_node_mode_is_named():
