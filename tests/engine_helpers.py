@@ -12,11 +12,13 @@ progress, so a ``build()`` registers its hooks exactly as user code would.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 
 import torch
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
@@ -415,3 +417,25 @@ def programs(draw, *, dtype=torch.float32, max_ops=16, fan_in=False, retain_grad
         chosen.append(draw(st.integers(0, NUM_LEAVES - 1)))
     roots = tuple(Root(v, draw(st.sampled_from(["tensor", "scalar", "edge"]))) for v in chosen)
     return Program(tuple(ops), roots, draw(st.sampled_from([1, 1, 1, 2])), dtype)
+
+
+# CI's fuzz job (.ci/run): TORCH_EXT_FUZZ_SCALE multiplies every fuzz test's examples, and TORCH_EXT_FUZZ_SEED
+# (also passed as pytest's --hypothesis-seed) draws them from that seed instead of the default suite's fixed
+# ones; the job prints the seed, so a failure found there replays with the same two variables.
+FUZZ_SCALE_VARIABLE = "TORCH_EXT_FUZZ_SCALE"
+FUZZ_SEED_VARIABLE = "TORCH_EXT_FUZZ_SEED"
+
+
+def fuzz_settings(max_examples: int) -> settings:
+    """Hypothesis settings of a random-graph fuzz test: ``max_examples`` derandomized examples in the default
+    suite (the same every run), scaled and seeded in CI's fuzz job."""
+    scale = float(os.environ.get(FUZZ_SCALE_VARIABLE, "1"))
+    return settings(
+        max_examples=max(1, round(max_examples * scale)),
+        deadline=None,
+        derandomize=FUZZ_SEED_VARIABLE not in os.environ,
+        database=None,
+        print_blob=True,
+        # The helpers seed torch themselves before every build; slow examples are expected.
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )

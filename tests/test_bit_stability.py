@@ -24,12 +24,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from engine_helpers import (
     BackwardRecord,
+    fuzz_settings,
     graph_nodes,
     programs,
     run_recorded,
     tensors_identical,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import torch_ext
@@ -127,13 +128,7 @@ def _run_grad(program, priorities: list[Priority] | None) -> tuple[list, Backwar
 
 # float64, values feeding three or more later ops, some retaining their grad. An engine summing in arrival order
 # differs from stock on about 1 in 10 such graphs (issue #12: 34 of 300); 150 examples per test take seconds.
-FUZZ_SETTINGS = settings(
-    max_examples=150,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FUZZ_SETTINGS = fuzz_settings(150)
 FAN_IN_PROGRAMS = programs(dtype=torch.float64, max_ops=24, fan_in=True, retain_grad=True)
 PRIORITIES = {
     "propagated": _priorities(("call", "set", "launch_first"), 1, 6),

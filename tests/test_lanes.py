@@ -16,8 +16,15 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from engine_helpers import _logs_identical, assert_same_error, programs, run_recorded, tensors_identical
-from hypothesis import HealthCheck, given, settings
+from engine_helpers import (
+    _logs_identical,
+    assert_same_error,
+    fuzz_settings,
+    programs,
+    run_recorded,
+    tensors_identical,
+)
+from hypothesis import given
 from hypothesis import strategies as st
 
 import torch_ext
@@ -73,7 +80,7 @@ def _hooks_by_label(log):
     return sorted((event for event in log if event[0] != "order"), key=lambda event: str(event[1]))
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@fuzz_settings(60)
 @given(programs(fan_in=True), st.data())
 def test_random_graphs_with_lane_nodes_keep_stock_bits(lane, program, data):
     # Some results go through a lane node with a drawn delay, so lanes finish in varying order against the

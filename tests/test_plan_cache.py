@@ -16,8 +16,8 @@ import sys
 
 import pytest
 import torch
-from engine_helpers import programs
-from hypothesis import HealthCheck, given, settings
+from engine_helpers import fuzz_settings, programs
+from hypothesis import given
 from hypothesis import strategies as st
 from test_bit_stability import PRIORITIES, _assert_same_bits, _run_backward, _run_grad
 from torch import nn
@@ -145,13 +145,7 @@ def test_changed_priorities_are_not_replayed_untraced():
     assert _hits() == hits, "a call with other priorities replayed the old plan"
 
 
-REPLAY_SETTINGS = settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+REPLAY_SETTINGS = fuzz_settings(60)
 FAN_IN_PROGRAMS = programs(dtype=torch.float64, max_ops=24, fan_in=True, retain_grad=True)
 
 
