@@ -27,12 +27,14 @@ from torch_ext.split import (
     weight_accumulation_batching,
 )
 from torch_ext.tracing import Trace, trace
+from torch_ext.verify import VerifyReport, verify  # torch_ext.verify is the function; the module is in sys.modules
 
 __all__ = [
     "LAUNCH_FIRST",
     "Engine",
     "SplitState",
     "Trace",
+    "VerifyReport",
     "auto_collective_priority",
     "backward",
     "backward_input",
@@ -59,6 +61,7 @@ __all__ = [
     "set_weight_accumulation_batching",
     "trace",
     "unregister_collective_backward",
+    "verify",
     "weight_accumulation_batching",
 ]
 
