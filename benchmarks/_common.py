@@ -182,3 +182,77 @@ def bar_chart(ax, labels: Sequence[str], series: dict[str, Sequence[float]], yla
         ax.axhline(line, color="black", linewidth=0.8, linestyle="--")
     if len(series) > 1:
         ax.legend(fontsize=8)
+
+
+# --- sweeps of the dense backward against the communication (overlap, recsys_torchrec) -------------------
+
+
+def parse_ratios(text: str) -> tuple[float, ...]:
+    """``--ratios`` of a sweep: positive numbers separated by commas (an argparse ``type``)."""
+    import argparse
+
+    try:
+        ratios = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        ratios = ()
+    if not ratios or any(r <= 0 for r in ratios):
+        raise argparse.ArgumentTypeError(f"ratios must be positive numbers separated by commas, got {text!r}")
+    return ratios
+
+
+def sweep_depth(ratio: float, t_comm: float, t_layer: float, max_layers: int) -> int:
+    """Dense layers whose backward takes about ``ratio`` x ``t_comm``, one layer's taking ``t_layer``."""
+    return int(min(max_layers, max(1, round(ratio * t_comm / t_layer))))
+
+
+def sweep_case(name: str, ratio: float) -> str:
+    """The CSV case of one sweep point: ``"<name> x<ratio>"``."""
+    return f"{name} x{ratio:g}"
+
+
+def sweep_cases(rows: dict, what: str, metric: str) -> list[tuple[float, str]]:
+    """[(ratio, case)] of the sweep points ``sweep_case`` named, in the CSV's order, from ``what``'s ``metric``."""
+    return [
+        (float(case.rpartition(" x")[2]), case)
+        for row_what, case, row_metric in rows
+        if row_what == what and row_metric == metric
+    ]
+
+
+def plot_efficiency_curves(ax, rows: Sequence[SummaryRow], title: str) -> None:
+    """Each row's overlap efficiency against dense backward / T_comm (its ``"efficiency x<ratio>"`` values),
+    and the ideal, min(1, ratio), dashed."""
+    ratios: list[float] = []
+    for row in rows:
+        curve = sorted(
+            (float(key.removeprefix("efficiency x")), value)
+            for key, value in row.values.items()
+            if key.startswith("efficiency x")
+        )
+        ratios = sorted({*ratios, *(ratio for ratio, _ in curve)})
+        ax.plot([ratio for ratio, _ in curve], [eff for _, eff in curve], marker="o", label=row.variant)
+    if ratios and ratios[0] < 1.0 < ratios[-1]:
+        ratios = sorted({*ratios, 1.0})  # the ideal's corner
+    ax.plot(ratios, [min(1.0, r) for r in ratios], linestyle="--", color="black", label="ideal")
+    ax.axhline(0.0, color="grey", linewidth=0.6)
+    ax.set_xlabel("dense backward / T_comm")
+    ax.set_ylabel("overlap efficiency (1: all hidden)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+
+
+def slowest_rank_median(measure: Callable[[], float], reps: int) -> float:
+    """In a benchmark's rank, on every rank: the median over ``reps`` calls of ``measure()`` (each call starting
+    the ranks together, as ``_hosts.timed_all_to_all`` does) of the slowest rank's value in that call.
+
+    For T_comm. On the shaped veth one all_to_all's two directions sometimes both take ~20 ms and more often one
+    of them ~36 ms (its ACKs wait behind the other direction's data in the link's queue): per call the slower
+    rank's time is ~36 ms about 3 times in 4 and ~20 ms otherwise; on one rank alone either may dominate (rank 0
+    20 ms and rank 1 36 ms in 8 calls out of 8). A median of one rank's calls, or of a few calls, lands in
+    either mode; this one needs most of ``reps`` in the rarer mode to move.
+    """
+    import torch.distributed as dist
+
+    samples = torch.tensor([measure() for _ in range(reps)], dtype=torch.float64)
+    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+    return statistics.median(samples.tolist())

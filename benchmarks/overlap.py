@@ -3,7 +3,7 @@
 The scenario is a recommendation model's step on 2 gloo ranks:
 
   sparse  embedding lookup -> all_to_all_single -> SPARSE_LAYERS cheap per-row layers -> pooled
-  dense   an MLP of calibrated depth (Linear(HIDDEN, HIDDEN) + ReLU), created after the sparse part
+  dense   an MLP (Linear(HIDDEN, HIDDEN) + ReLU) of the depth the sweep asks for, created after the sparse part
   over    concat(sparse, dense) -> Linear -> ReLU -> Linear -> sum
 
 In backward, stock runs ready nodes by descending sequence number, so after the overarch it runs the
@@ -23,16 +23,17 @@ not timed), the slowest rank's time counting for the step:
                      wait at first use)
   torch_ext(funcol)  PyTorch's functional all_to_all on torch_ext's engine: priority alone, the
                      functional op still waits inside its node
-  compute            the same graph with the all_to_all replaced by a local copy (T_compute)
+  compute            the same graph with the all_to_all replaced by a local copy (no communication)
   comm               the backward all_to_all alone (T_comm)
 
-Overlap efficiency = (T_compute + T_comm - T_step) / T_comm, from medians: 1 when the communication
-is completely hidden, 0 when it is fully exposed.
-
-Communication and compute are sized to be comparable: the all_to_all sends ``--payload-mib`` MiB
-to the other rank; the script measures its backward alone and one dense layer's backward, and picks
-the dense depth whose backward takes about as long as the communication (both ranks agree on the
-larger depth).
+The all_to_all sends ``--payload-mib`` MiB to the other rank. The dense MLP's backward is swept over
+multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script times the all_to_all
+alone and one dense layer's backward (both ranks agree on the larger) and builds the depth that makes
+the dense backward ``ratio`` x T_comm. At each point, per repetition, exposed communication = the
+variant's backward - compute's backward, and overlap efficiency = 1 - exposed / T_comm (T_comm the
+median of the point's comm): 1 when the communication is completely hidden, 0 when it is fully exposed.
+Only the dense MLP can hide it (the embedding's backward needs its result), so the ideal is
+min(1, ratio).
 
 On this machine's loopback, gloo's transfer is kernel memcpy on the same two cores the ranks compute
 on, so nothing can overlap (DESIGN.md, "Measuring overlap on this machine"). A real NIC moves bytes
@@ -45,12 +46,12 @@ shaped loopback, then to plain loopback, where no engine can show overlap.
 Started by torchrun itself (on two real machines, README "Across machines"), the script is one rank:
 rank 0 prints the table and writes the CSV.
 
-With ``--timeline PNG``, after timing, both ranks run one more backward of stock and one of torch_ext
-under a tracer (stock: ``torch.profiler``, converted by ``stock_backward_events``; torch_ext:
+With ``--timeline PNG``, after timing the point nearest ratio 1, both ranks run one more backward of stock
+and one of torch_ext under a tracer (stock: ``torch.profiler``, converted by ``stock_backward_events``; torch_ext:
 ``torch_ext.trace()``), and rank 0 draws rank 0's two timelines one above the other with
 ``torch_ext.tracing.plot_timelines`` and writes their events beside the PNG (same name, ``.json``).
 
-    python benchmarks/overlap.py [--quick] [--reps N] [--payload-mib M]
+    python benchmarks/overlap.py [--quick] [--reps N] [--ratios 0.5,1,2] [--payload-mib M]
         [--network two-hosts|one-namespace|loopback] [--timeline PNG] [--out CSV]
 """
 
@@ -71,7 +72,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from _common import Summary, SummaryRow, bar_chart, csv_row, git_sha, median_backward_s, progress, summarize, write_csv
+from _common import (
+    SummaryRow,
+    csv_row,
+    git_sha,
+    median_backward_s,
+    parse_ratios,
+    plot_efficiency_curves,
+    progress,
+    slowest_rank_median,
+    summarize,
+    sweep_case,
+    sweep_cases,
+    sweep_depth,
+    write_csv,
+)
 from _hosts import (
     MODES,
     RANK_RESULTS_OPTION,
@@ -89,9 +104,21 @@ WORLD_SIZE = 2
 
 BATCH = 256
 FEATURES = 16  # embedding lookups per sample
-HIDDEN = 1024
+# One dense layer's backward is ~1 ms here (2 ms with the other rank computing beside it), 1/20-1/40 of the
+# 2 MiB all_to_all's ~40 ms: fine steps for the sweep. With 1024 (17-35 ms a layer) the x0.5 point was one
+# layer, and the calibrated depth of the one-point benchmark jumped between 1 and 3 layers between runs.
+HIDDEN = 256
 SPARSE_LAYERS = 3
-MAX_DENSE_LAYERS = 24
+MAX_DENSE_LAYERS = 240
+# The dense backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
+RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
+QUICK_RATIOS = (0.5, 1.0, 2.0)
+# Untimed all_to_alls before T_comm is calibrated: a process's first is slower (moe_sync.py: 1.5x).
+WARMUP_ALL_TO_ALLS = 3
+# T_comm's calibration: the slower rank's all_to_all is ~36 ms 3 times in 4 and ~20 ms otherwise here
+# (_common.slowest_rank_median). With 9 calls a median of 20 ms (the sweep's depths all half what was asked)
+# needs 5 in the rarer mode, about 1 run in 20; with 25 calls, 13, about 1 in 300. ~1 s.
+COMM_CALIBRATION_REPS = 25
 # _set_sequence_nr boost, as PR #114120 suggests: above every sequence number a forward makes.
 SEQUENCE_NR_BOOST = 2**62
 
@@ -102,6 +129,7 @@ COLLECTIVE_VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)"
 @dataclass(frozen=True)
 class Config:
     payload_mib: float
+    ratios: tuple[float, ...]
     reps: int
     warmup: int
     calibration_reps: int
@@ -212,46 +240,59 @@ def _check_same_gradients(model: Model, inputs) -> None:
             raise AssertionError(f"{variant} computed different gradients from stock")
 
 
+def _time_point(model: Model, inputs, dim: int, config: Config) -> dict[str, list[float]]:
+    """Every variant's backward seconds at one sweep point, ``config.reps`` of each after the warm-up."""
+    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    for rep in range(config.warmup + config.reps):
+        # Alternate the variants within each repetition, rotating which goes first, so drift
+        # in the machine's load spreads evenly over them.
+        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
+        for variant in order:
+            elapsed = _step(model, inputs, variant, dim)
+            if rep >= config.warmup:
+                times[variant].append(elapsed)
+    return times
+
+
 def _run_rank(config: Config) -> list[dict]:
     """One rank's part, started by torchrun (the process group from its environment): every rank's times per
-    variant, in rank order (the step takes as long as the slowest rank: ``slowest_rank``)."""
+    sweep point and variant, in rank order (the step takes as long as the slowest rank: ``slowest_rank``)."""
     torch.set_num_threads(1)  # two ranks may share two cores
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
-    torch.manual_seed(rank)
     try:
         dim = config.embedding_dim
-        t_comm = agreed_max(statistics.median(_comm_only(dim) for _ in range(config.calibration_reps)))
+        for _ in range(WARMUP_ALL_TO_ALLS):
+            _comm_only(dim)
+        t_comm = slowest_rank_median(lambda: _comm_only(dim), COMM_CALIBRATION_REPS)
         layer, x = nn.Linear(HIDDEN, HIDDEN), torch.randn(BATCH, HIDDEN, requires_grad=True)
         t_layer = agreed_max(median_backward_s(lambda: torch.relu(layer(x)).sum(), config.calibration_reps))
-        dense_layers = int(min(MAX_DENSE_LAYERS, max(1, round(t_comm / t_layer))))
-        model = Model(dim, dense_layers)
-        inputs = (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))
-        _check_same_gradients(model, inputs)
-
-        times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+        # The timeline is of the point nearest ratio 1, where the two orders differ most.
+        traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
         # What bit-stable accumulation holds back while the engine runs producers out of stock's order.
         torch_ext._C._held_gradient_stats(True)
-        for rep in range(config.warmup + config.reps):
-            # Alternate the variants within each repetition, rotating which goes first, so drift
-            # in the machine's load spreads evenly over them.
-            order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
-            for variant in order:
-                elapsed = _step(model, inputs, variant, dim)
-                if rep >= config.warmup:
-                    times[variant].append(elapsed)
+        points, timelines = [], None
+        for ratio in config.ratios:
+            dense_layers = sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS)
+            torch.manual_seed(rank)
+            model = Model(dim, dense_layers)
+            inputs = (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))
+            _check_same_gradients(model, inputs)
+            points.append(
+                {"ratio": ratio, "dense_layers": dense_layers, "times": _time_point(model, inputs, dim, config)}
+            )
+            if config.timeline_png is not None and ratio == traced_ratio and timelines is None:
+                timelines = (_traced_timelines(model, inputs), dense_layers)
         held = torch_ext._C._held_gradient_stats(True)
-        timelines = _traced_timelines(model, inputs) if config.timeline_png is not None else None
         # Both ranks are past their last collective: a failure here must not leave the other waiting in one.
         dist.barrier()
         if rank == 0 and timelines is not None:
             try:
-                _write_timelines(timelines, config.timeline_png, dense_layers, dim)
+                _write_timelines(timelines[0], config.timeline_png, timelines[1], dim)
             except Exception as error:  # noqa: BLE001 - the picture is optional, the timings are not
                 progress(f"overlap: warning: could not write the timeline {config.timeline_png}: {error!r}")
         result = {
-            "times": times,
-            "dense_layers": dense_layers,
+            "points": points,
             "dim": dim,
             "calibration": {"comm_s": t_comm, "dense_layer_s": t_layer},
             "held": held,
@@ -266,11 +307,12 @@ def _run_rank(config: Config) -> list[dict]:
 def slowest_rank(results: list[dict]) -> dict:
     """The ranks' results as one: each repetition's step takes as long as its slowest rank."""
     first = results[0]
-    reps = len(first["times"][VARIANTS[0]])
-    times = {
-        variant: [max(result["times"][variant][i] for result in results) for i in range(reps)] for variant in VARIANTS
-    }
-    return {**first, "times": times}
+    points = []
+    for index, point in enumerate(first["points"]):
+        per_rank = [result["points"][index]["times"] for result in results]
+        times = {variant: [max(samples) for samples in zip(*(t[variant] for t in per_rank))] for variant in VARIANTS}
+        points.append({**point, "times": times})
+    return {**first, "points": points}
 
 
 # --- timelines ----------------------------------------------------------------------------------
@@ -427,31 +469,47 @@ def _write_timelines(rows: list[tuple[str, list[dict]]], png_path: str, dense_la
 # --- report -------------------------------------------------------------------------------------
 
 
-def report(result: dict, link: str, out: str) -> list[tuple[str, Summary, float, float | None]]:
-    times = result["times"]
-    medians = {variant: statistics.median(samples) for variant, samples in times.items()}
-    t_compute, t_comm = medians["compute"], medians["comm"]
+def report(result: dict, link: str, out: str) -> None:
     sha = git_sha()
-    size = f"{result['dim']}d x {BATCH * FEATURES} rows, {result['dense_layers']} dense layers, {link}"
-    rows, table = [], []
-    for variant in VARIANTS:
-        summary = summarize([t * 1e3 for t in times[variant]])
-        rows.append(csv_row(variant, "overlap", size, "backward_ms", summary, sha))
-        ratio = medians[variant] / medians["stock"]
-        efficiency = None
-        if variant in COLLECTIVE_VARIANTS:
-            efficiency = (t_compute + t_comm - medians[variant]) / t_comm
-            rows.append(
-                csv_row(variant, "overlap", size, "efficiency", Summary(efficiency, efficiency, efficiency), sha)
+    calibration = result["calibration"]
+    print(
+        f"\noverlap: {result['dim']}d x {BATCH * FEATURES} rows, {link}; calibration: T_comm "
+        f"{calibration['comm_s'] * 1e3:.1f} ms, one dense layer {calibration['dense_layer_s'] * 1e3:.2f} ms"
+    )
+    print(
+        f"{'ratio':>5} {'layers':>6} {'variant':<18} {'backward ms: median [p20-p80]':<30} {'/stock':>6} "
+        f"{'exposed ms':>10} {'efficiency':>10} {'ideal':>5}"
+    )
+    # One T_comm for the sweep: the same bytes at every point, and a few samples' median can land in the rarer
+    # of the transfer's two modes (_common.slowest_rank_median).
+    comm = summarize([t * 1e3 for point in result["points"] for t in point["times"]["comm"]])
+    t_comm = comm.median / 1e3
+    rows = [csv_row("comm", "overlap", f"{result['dim']}d x {BATCH * FEATURES} rows, {link}", "t_comm_ms", comm, sha)]
+    for point in result["points"]:
+        times = point["times"]
+        stock = statistics.median(times["stock"])
+        ideal = min(1.0, point["ratio"])
+        case = sweep_case("overlap", point["ratio"])
+        size = f"{result['dim']}d x {BATCH * FEATURES} rows, {point['dense_layers']} dense layers, {link}"
+        for variant in VARIANTS:
+            backward = summarize([t * 1e3 for t in times[variant]])
+            rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
+            exposed_text = efficiency_text = ideal_text = ""
+            if variant in COLLECTIVE_VARIANTS:
+                # Per repetition: the same repetition's compute-only backward is the baseline.
+                exposed = [b - c for b, c in zip(times[variant], times["compute"], strict=True)]
+                exposed_ms = summarize([e * 1e3 for e in exposed])
+                efficiency = summarize([1 - e / t_comm for e in exposed])
+                rows.append(csv_row(variant, case, size, "exposed_ms", exposed_ms, sha))
+                rows.append(csv_row(variant, case, size, "efficiency", efficiency, sha))
+                exposed_text, efficiency_text = f"{exposed_ms.median:.1f}", f"{efficiency.median:.2f}"
+                ideal_text = f"{ideal:.2f}"
+            print(
+                f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<18} {backward!s:<30} "
+                f"{backward.median / 1e3 / stock:6.2f} {exposed_text:>10} {efficiency_text:>10} {ideal_text:>5}"
             )
-        table.append((variant, summary, ratio, efficiency))
     write_csv(out, rows)
-
-    print(f"\noverlap: {size}; T_compute {t_compute * 1e3:.1f} ms, T_comm {t_comm * 1e3:.1f} ms")
-    print(f"{'variant':<20} {'backward ms: median [p20-p80]':<32} {'/stock':>7} {'efficiency':>11}")
-    for variant, summary, ratio, efficiency in table:
-        eff = f"{efficiency:11.2f}" if efficiency is not None else f"{'':>11}"
-        print(f"{variant:<20} {summary!s:<32} {ratio:7.2f} {eff}")
+    print(f"T_comm {comm} ms (every point's comm; efficiency = 1 - exposed / its median)")
     held = result.get("held")
     if held is not None:
         # Gradients that reached a buffer ahead of stock's order wait there for their turn (issue #12).
@@ -461,7 +519,6 @@ def report(result: dict, link: str, out: str) -> list[tuple[str, Summary, float,
             f"{held['peak_held_bytes'] / 2**10:.1f} KiB at once"
         )
     print(f"wrote {out}")
-    return table
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -475,8 +532,9 @@ def _config(args: argparse.Namespace) -> Config:
             timeline_png = os.path.abspath(args.timeline)
     return Config(
         payload_mib=args.payload_mib or (2.0 if args.quick else 4.0),
-        reps=args.reps or (8 if args.quick else 30),
-        warmup=1 if args.quick else 3,
+        ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
+        reps=args.reps or (8 if args.quick else 20),
+        warmup=1 if args.quick else 2,
         # As recsys_torchrec.py found, the slower rank's median per-layer time varies between runs on these 2
         # shared cores, and the dense depth with it. Quick runs with 3 repetitions: 3-7 layers, torch_ext's
         # efficiency 0.40-0.84; with 9: 4-6 layers, 0.71-0.90 (three runs).
@@ -499,8 +557,9 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller payload, fewer repetitions (~1 min)")
-    parser.add_argument("--reps", type=int, help="timed repetitions of every variant")
+    parser.add_argument("--quick", action="store_true", help="smaller payload, fewer repetitions and sweep points")
+    parser.add_argument("--reps", type=int, help="timed repetitions of every variant at every sweep point")
+    parser.add_argument("--ratios", type=parse_ratios, help="dense backward / T_comm to sweep, e.g. 0.5,1,2")
     parser.add_argument("--payload-mib", type=float, help="MiB each rank sends the other (default 4; quick 2)")
     parser.add_argument(
         "--network",
@@ -521,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     config = _config(args)
     progress(
         f"overlap: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {config.payload_mib:g} MiB each way, "
-        f"{config.reps} repetitions of {len(VARIANTS)} variants"
+        f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions of {len(VARIANTS)} variants"
     )
     forwarded = sys.argv[1:] if argv is None else list(argv)
     run = run_on_two_hosts(__file__, forwarded, mode=args.network)
@@ -532,47 +591,54 @@ def main(argv: list[str] | None = None) -> int:
 # --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
 
 
-OVERLAP_NOTES = {"compute": "T_compute: the all_to_all replaced by a local copy", "comm": "T_comm: all_to_all alone"}
-
-
 def summary_rows(rows: dict) -> list[SummaryRow]:
-    summary = []
-    stock = rows[("stock", "overlap", "backward_ms")]
+    """One row per variant with a collective. The headline is the sweep's mean overlap efficiency, beside the
+    ideal's mean; backward time against stock is the median over the sweep."""
+    points = sweep_cases(rows, "stock", "efficiency")
     # "<dim>d x <rows> rows, <n> dense layers, <link>": the link (whether anything can overlap) names the case.
-    scenario, _, case = stock["size"].rpartition(", ")
-    for (variant, _, metric), row in rows.items():
-        if metric != "backward_ms":
-            continue
-        ms = row["median"]
-        values = {"backward_ms": ms}
-        efficiency = rows.get((variant, "overlap", "efficiency"))
-        if efficiency is not None:
-            values["efficiency"] = efficiency["median"]
-            values["ratio"] = ms / stock["median"]
-            ratio = f"{values['ratio']:.2f}"
-            notes = f"overlap efficiency {efficiency['median']:.2f}"
-            if variant == "stock":
-                notes += f"; {scenario}"
-        else:
-            ratio = "-"
-            notes = OVERLAP_NOTES.get(variant, "")
+    scenario, _, link = rows[("stock", points[0][1], "backward_ms")]["size"].rpartition(", ")
+    scenario = scenario.rpartition(", ")[0]
+    ideal = statistics.mean(min(1.0, ratio) for ratio, _ in points)
+    t_comm = rows[("comm", "overlap", "t_comm_ms")]["median"]
+    summary = []
+    for variant in (v for v in COLLECTIVE_VARIANTS if (v, points[0][1], "efficiency") in rows):
+        efficiencies = [rows[(variant, case, "efficiency")]["median"] for _, case in points]
+        exposed = [rows[(variant, case, "exposed_ms")]["median"] for _, case in points]
+        backward_ratios = [
+            rows[(variant, case, "backward_ms")]["median"] / rows[("stock", case, "backward_ms")]["median"]
+            for _, case in points
+        ]
+        mean_efficiency = statistics.mean(efficiencies)
+        values = {
+            "efficiency": mean_efficiency,
+            "ideal_efficiency": ideal,
+            "exposed_ms": statistics.mean(exposed),
+            "ratio": statistics.median(backward_ratios),
+            # The curve, for the plot.
+            **{f"efficiency x{ratio:g}": eff for (ratio, _), eff in zip(points, efficiencies, strict=True)},
+        }
+        per_point = ", ".join(f"x{ratio:g}: {eff:.2f}" for (ratio, _), eff in zip(points, efficiencies, strict=True))
+        notes = f"efficiency by dense/comm ratio {per_point}; exposed {values['exposed_ms']:.1f} ms on average"
+        if variant == "stock":
+            notes += f"; T_comm {t_comm:.3g} ms, {scenario}"
         summary.append(
             SummaryRow(
-                "overlap", case, variant, f"stock {stock['median']:.3g} ms", f"{ms:.3g} ms", ratio, notes, values
+                "overlap",
+                link,
+                variant,
+                "stock",
+                f"efficiency {mean_efficiency:.2f} (ideal {ideal:.2f})",
+                f"{values['ratio']:.2f}",
+                notes,
+                values,
             )
         )
     return summary
 
 
 def plot(rows: Sequence[SummaryRow], figure) -> None:
-    collective = [r for r in rows if "efficiency" in r.values]
-    left, right = figure.subplots(1, 2)
-    labels = [r.variant for r in collective]
-    bar_chart(left, labels, {"efficiency": [r.values["efficiency"] for r in collective]}, "overlap efficiency", 1.0)
-    left.set_title("overlap efficiency (1: all hidden)")
-    bar_chart(right, labels, {"step / stock": [r.values["ratio"] for r in collective]}, "backward time / stock", 1.0)
-    right.set_title("backward time / stock")
-    figure.suptitle(f"Overlap of a backward all_to_all on 2 gloo ranks, {rows[0].case}")
+    plot_efficiency_curves(figure.subplots(), rows, rows[0].case)
+    figure.suptitle("Overlap of a backward all_to_all with a dense MLP on 2 gloo ranks")
 
 
 if __name__ == "__main__":

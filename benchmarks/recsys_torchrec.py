@@ -2,7 +2,8 @@
 
 The model is TorchRec's DLRM (``torchrec.models.dlrm.DLRM``): an EmbeddingBagCollection of TABLES
 tables sharded table-wise over the 2 ranks by ``DistributedModelParallel``, with the fused CPU kernel
-(the tables' SGD update runs inside their backward), a dense arch of calibrated depth and an over arch.
+(the tables' SGD update runs inside their backward), a dense arch of the depth the sweep asks for and an over
+arch.
 TorchRec writes its collectives by hand as Req/Wait pairs of autograd Functions
 (``torchrec/distributed/comm_ops.py``): in backward, ``All2All_Pooled_WaitBackward`` launches the pooled
 embeddings' gradient all_to_all and ``All2All_Pooled_ReqBackward`` waits for it. Stock runs them back to
@@ -19,21 +20,28 @@ Variants, alternating within every repetition, the slowest rank's time counting:
              bytes (T_comm)
 
 Each step is timed as a whole (forward, backward, the dense SGD update; the tables' update is fused into
-their backward) and its backward alone. Overlap efficiency = 1 - T_exposed / T_comm, where T_exposed is
-the time the wait node (``All2All_Pooled_ReqBackward``) blocks, measured by hooks on that node (before
-and after it runs): 0 when the whole transfer is waited for there, 1 when it had already arrived.
+their backward) and its backward alone. The exposed communication is the time the wait node
+(``All2All_Pooled_ReqBackward``) blocks, measured by hooks on that node (before and after it runs), the
+slower rank's; overlap efficiency = 1 - exposed / T_comm: 0 when the whole transfer is waited for there, 1
+when it had already arrived. (moe_sync.py and overlap.py take the exposed time as the backward minus a
+communication-free backward's; TorchRec's sharded collection has no communication-free form that computes
+the same, and the wait node is where the step blocks on the transfer.)
 
 Sizes: each rank looks up BATCH samples; the pooled gradient each rank sends the other is
-BATCH * (TABLES / 2) * DIM floats (2 MiB with the defaults, about 17 ms at 1 Gbit/s); the dense arch
-gets as many Linear(HIDDEN, HIDDEN) layers as make its backward about as long as that transfer
-(calibrated on both ranks, the larger depth agreed).
+BATCH * (TABLES / 2) * DIM floats (2 MiB with the defaults, about 17 ms at 1 Gbit/s). The dense arch's
+backward is swept over multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script
+times the transfer and one Linear(HIDDEN, HIDDEN) layer's backward (both ranks agree on the larger) and gives
+the dense arch the depth that makes its backward ``ratio`` x T_comm. Only the dense arch can hide the
+transfer (the tables' backward needs its result): the ideal efficiency is min(1, ratio).
 
 The ranks run as two hosts (``_hosts.run_on_two_hosts``: two network namespaces joined by a veth shaped
 to 1 Gbit/s, each rank started by torchrun in its own), falling back as overlap.py says. Before timing,
 one step of each engine must give torch.equal dense gradients, losses and local tables after the fused
-update, or the script fails. With ``--timeline PNG`` rank 0 draws one traced torch_ext backward.
+update at every sweep point, or the script fails. With ``--timeline PNG`` rank 0 draws one traced torch_ext
+backward at the point nearest ratio 1.
 
-    python benchmarks/recsys_torchrec.py [--quick] [--reps N] [--network ...] [--timeline PNG] [--out CSV]
+    python benchmarks/recsys_torchrec.py [--quick] [--reps N] [--ratios 0.5,1,2] [--network ...]
+        [--timeline PNG] [--out CSV]
 """
 
 from __future__ import annotations
@@ -51,7 +59,21 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from _common import Summary, SummaryRow, bar_chart, csv_row, git_sha, median_backward_s, progress, summarize, write_csv
+from _common import (
+    SummaryRow,
+    csv_row,
+    git_sha,
+    median_backward_s,
+    parse_ratios,
+    plot_efficiency_curves,
+    progress,
+    slowest_rank_median,
+    summarize,
+    sweep_case,
+    sweep_cases,
+    sweep_depth,
+    write_csv,
+)
 from _hosts import (
     MODES,
     RANK_RESULTS_OPTION,
@@ -71,7 +93,17 @@ DIM = 256
 BATCH = 512
 DENSE_FEATURES = 256
 HIDDEN = 256
-MAX_DENSE_LAYERS = 40
+# One dense layer's backward is 1-2 ms here against a ~36 ms transfer: the x2 point needs up to ~72 layers.
+MAX_DENSE_LAYERS = 160
+# The dense arch's backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
+RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
+QUICK_RATIOS = (0.5, 1.0, 2.0)
+# Untimed all_to_alls before T_comm is calibrated: a process's first is slower (moe_sync.py: 1.5x).
+WARMUP_ALL_TO_ALLS = 3
+# T_comm's calibration: the slower rank's all_to_all is ~36 ms 3 times in 4 and ~20 ms otherwise here
+# (_common.slowest_rank_median). With 9 calls a median of 20 ms (the sweep's depths all half what was asked)
+# needs 5 in the rarer mode, about 1 run in 20; with 25 calls, 13, about 1 in 300. ~1 s.
+COMM_CALIBRATION_REPS = 25
 LEARNING_RATE = 0.01
 # TorchRec's Req/Wait pair for pooled embeddings: which node launches the backward all_to_all, which waits.
 LAUNCH, WAIT = "All2All_Pooled_WaitBackward", "All2All_Pooled_ReqBackward"
@@ -82,6 +114,7 @@ ENGINE_VARIANTS = ("stock", "torch_ext")
 
 @dataclass(frozen=True)
 class Config:
+    ratios: tuple[float, ...]
     reps: int
     warmup: int
     calibration_reps: int
@@ -233,51 +266,60 @@ def _traced_backward(model, dense_params, batch) -> list[dict]:
     return [dict(event) for event in trace.events]
 
 
+def _time_point(model, dense_params, rank: int, config: Config) -> dict[str, dict[str, list[float]]]:
+    """Every variant's step, backward and wait seconds at one sweep point, ``config.reps`` after the warm-up."""
+    wait_timer = WaitTimer()
+    samples: dict[str, dict[str, list[float]]] = {
+        variant: {"step_s": [], "backward_s": [], "wait_s": []} for variant in ENGINE_VARIANTS
+    }
+    samples["comm"] = {"backward_s": []}
+    for rep in range(config.warmup + config.reps):
+        batch = _batch(rank, rep + 1)
+        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
+        for variant in order:
+            if variant == "comm":
+                measured = {"backward_s": _comm_only()}
+            else:
+                step_s, backward_s, wait_s = _step(model, dense_params, batch, variant, wait_timer)
+                measured = {"step_s": step_s, "backward_s": backward_s, "wait_s": wait_s}
+            if rep >= config.warmup:
+                for key, value in measured.items():
+                    samples[variant][key].append(value)
+    return samples
+
+
 def _run_rank(config: Config) -> list[dict]:
     torch.set_num_threads(1)  # two ranks may share two cores
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     try:
-        t_comm = agreed_max(statistics.median(_comm_only() for _ in range(config.calibration_reps)))
+        for _ in range(WARMUP_ALL_TO_ALLS):
+            _comm_only()
+        t_comm = slowest_rank_median(_comm_only, COMM_CALIBRATION_REPS)
         layer, x = torch.nn.Linear(HIDDEN, HIDDEN), torch.randn(BATCH, HIDDEN, requires_grad=True)
         t_layer = agreed_max(median_backward_s(lambda: torch.relu(layer(x)).sum(), config.calibration_reps))
-        dense_layers = int(min(MAX_DENSE_LAYERS, max(1, round(t_comm / t_layer))))
-        _check_same_bits(dense_layers, rank)
-        model = _dlrm(dense_layers)
-        dense_params = [p for name, p in model.named_parameters() if "embedding_bags" not in name]
-        wait_timer = WaitTimer()
-        samples: dict[str, dict[str, list[float]]] = {
-            variant: {"step_s": [], "backward_s": [], "wait_s": []} for variant in VARIANTS
-        }
-        for rep in range(config.warmup + config.reps):
-            batch = _batch(rank, rep + 1)
-            order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
-            for variant in order:
-                if variant == "comm":
-                    measured = {"backward_s": _comm_only()}
-                else:
-                    step_s, backward_s, wait_s = _step(model, dense_params, batch, variant, wait_timer)
-                    measured = {"step_s": step_s, "backward_s": backward_s, "wait_s": wait_s}
-                if rep >= config.warmup:
-                    for key, value in measured.items():
-                        samples[variant][key].append(value)
-        timeline = _traced_backward(model, dense_params, _batch(rank, 0)) if config.timeline_png else None
+        traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
+        points, timeline = [], None
+        for ratio in config.ratios:
+            dense_layers = sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS)
+            _check_same_bits(dense_layers, rank)
+            model = _dlrm(dense_layers)
+            dense_params = [p for name, p in model.named_parameters() if "embedding_bags" not in name]
+            samples = _time_point(model, dense_params, rank, config)
+            points.append({"ratio": ratio, "dense_layers": dense_layers, "samples": samples})
+            if config.timeline_png and ratio == traced_ratio and timeline is None:
+                timeline = (_traced_backward(model, dense_params, _batch(rank, 0)), dense_layers)
         dist.barrier()
         if rank == 0 and timeline is not None:
             from torch_ext.tracing import plot_timelines
 
             plot_timelines(
-                [("torch_ext", timeline)],
+                [("torch_ext", timeline[0])],
                 config.timeline_png,
-                title=f"TorchRec DLRM backward on rank 0 under torch_ext ({dense_layers} dense layers)",
+                title=f"TorchRec DLRM backward on rank 0 under torch_ext ({timeline[1]} dense layers)",
             )
             print(f"wrote {config.timeline_png}")
-        result = {
-            "samples": samples,
-            "dense_layers": dense_layers,
-            "t_comm_s": t_comm,
-            "t_layer_s": t_layer,
-        }
+        result = {"points": points, "t_comm_s": t_comm, "t_layer_s": t_layer}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         return gathered
@@ -286,69 +328,68 @@ def _run_rank(config: Config) -> list[dict]:
 
 
 def slowest_rank(results: list[dict]) -> dict:
-    """Each repetition's times as its slowest rank's (the step waits for it); the wait as rank 0's."""
+    """Each repetition's times, the wait's included, as its slowest rank's (the step waits for it)."""
     first = results[0]
-    merged = {}
-    for variant, metrics in first["samples"].items():
-        merged[variant] = {}
-        for metric, values in metrics.items():
-            if metric == "wait_s":
-                merged[variant][metric] = values
-            else:
-                merged[variant][metric] = [
-                    max(result["samples"][variant][metric][i] for result in results) for i in range(len(values))
+    points = []
+    for index, point in enumerate(first["points"]):
+        merged = {
+            variant: {
+                metric: [
+                    max(per_rank)
+                    for per_rank in zip(*(r["points"][index]["samples"][variant][metric] for r in results))
                 ]
-    return {**first, "samples": merged}
+                for metric in metrics
+            }
+            for variant, metrics in point["samples"].items()
+        }
+        points.append({**point, "samples": merged})
+    return {**first, "points": points}
 
 
-def report(result: dict, link: str, out: str) -> list:
-    samples = result["samples"]
-    t_comm = statistics.median(samples["comm"]["backward_s"])
+def report(result: dict, link: str, out: str) -> None:
     sha = git_sha()
-    size = f"DLRM {TABLES} tables x {DIM}d table-wise, {result['dense_layers']} dense layers, {link}"
-    rows, table = [], []
-    stock_step = statistics.median(samples["stock"]["step_s"])
-    stock_backward = statistics.median(samples["stock"]["backward_s"])
-    for variant in ENGINE_VARIANTS:
-        step = summarize([t * 1e3 for t in samples[variant]["step_s"]])
-        backward = summarize([t * 1e3 for t in samples[variant]["backward_s"]])
-        exposed = statistics.median(samples[variant]["wait_s"])
-        efficiency = max(0.0, 1.0 - exposed / t_comm)
-        rows.append(csv_row(variant, "recsys", size, "step_ms", step, sha))
-        rows.append(csv_row(variant, "recsys", size, "backward_ms", backward, sha))
-        rows.append(
-            csv_row(variant, "recsys", size, "wait_ms", summarize([t * 1e3 for t in samples[variant]["wait_s"]]), sha)
-        )
-        rows.append(csv_row(variant, "recsys", size, "efficiency", Summary(efficiency, efficiency, efficiency), sha))
-        table.append(
-            (
-                variant,
-                step,
-                step.median / 1e3 / stock_step,
-                backward,
-                backward.median / 1e3 / stock_backward,
-                exposed,
-                efficiency,
+    print(
+        f"\nrecsys_torchrec: DLRM {TABLES} tables x {DIM}d table-wise, {link}; calibration: T_comm "
+        f"{result['t_comm_s'] * 1e3:.1f} ms, one dense layer {result['t_layer_s'] * 1e3:.2f} ms"
+    )
+    print(
+        f"{'ratio':>5} {'layers':>6} {'variant':<10} {'step ms: median [p20-p80]':<26} {'/stock':>6} "
+        f"{'backward ms':<22} {'/stock':>6} {'exposed ms':>10} {'efficiency':>10} {'ideal':>5}"
+    )
+    # One T_comm for the sweep: the same bytes at every point, and a few samples' median can land in the rarer
+    # of the transfer's two modes (_common.slowest_rank_median).
+    all_comm = summarize([t * 1e3 for point in result["points"] for t in point["samples"]["comm"]["backward_s"]])
+    t_comm = all_comm.median / 1e3
+    scenario = f"DLRM {TABLES} tables x {DIM}d table-wise"
+    rows = [csv_row("comm", "recsys", f"{scenario}, {link}", "t_comm_ms", all_comm, sha)]
+    for point in result["points"]:
+        samples = point["samples"]
+        comm = summarize([t * 1e3 for t in samples["comm"]["backward_s"]])
+        stock_step = statistics.median(samples["stock"]["step_s"])
+        stock_backward = statistics.median(samples["stock"]["backward_s"])
+        ideal = min(1.0, point["ratio"])
+        case = sweep_case("recsys", point["ratio"])
+        size = f"{scenario}, {point['dense_layers']} dense layers, {link}"
+        for variant in ENGINE_VARIANTS:
+            step = summarize([t * 1e3 for t in samples[variant]["step_s"]])
+            backward = summarize([t * 1e3 for t in samples[variant]["backward_s"]])
+            exposed = summarize([t * 1e3 for t in samples[variant]["wait_s"]])
+            efficiency = summarize([1 - t / t_comm for t in samples[variant]["wait_s"]])
+            rows.append(csv_row(variant, case, size, "step_ms", step, sha))
+            rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
+            rows.append(csv_row(variant, case, size, "exposed_ms", exposed, sha))
+            rows.append(csv_row(variant, case, size, "efficiency", efficiency, sha))
+            print(
+                f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<10} {step!s:<26} "
+                f"{step.median / 1e3 / stock_step:6.2f} {backward!s:<22} "
+                f"{backward.median / 1e3 / stock_backward:6.2f} {exposed.median:10.1f} {efficiency.median:10.2f} "
+                f"{ideal:5.2f}"
             )
-        )
-    rows.append(
-        csv_row("comm", "recsys", size, "backward_ms", summarize([t * 1e3 for t in samples["comm"]["backward_s"]]), sha)
-    )
+        rows.append(csv_row("comm", case, size, "backward_ms", comm, sha))
+        print(f"{point['ratio']:5g} {point['dense_layers']:6d} {'comm':<10} {'':<26} {'':>6} {comm!s:<22}")
     write_csv(out, rows)
-
-    print(
-        f"\nrecsys_torchrec: {size}; T_comm {t_comm * 1e3:.1f} ms, one dense layer {result['t_layer_s'] * 1e3:.2f} ms"
-    )
-    print(
-        f"{'variant':<10} {'step ms: median [p20-p80]':<28} {'/stock':>7} {'backward ms':<24} {'/stock':>7} {'wait ms':>8} {'efficiency':>11}"
-    )
-    for variant, step, step_ratio, backward, backward_ratio, exposed, efficiency in table:
-        print(
-            f"{variant:<10} {step!s:<28} {step_ratio:7.2f} {backward!s:<24} {backward_ratio:7.2f} "
-            f"{exposed * 1e3:8.1f} {efficiency:11.2f}"
-        )
+    print(f"T_comm {all_comm} ms (every point's comm; efficiency = 1 - exposed / its median)")
     print(f"wrote {out}")
-    return table
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -361,6 +402,7 @@ def _config(args: argparse.Namespace) -> Config:
         else:
             timeline_png = os.path.abspath(args.timeline)
     return Config(
+        ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
         reps=args.reps or (5 if args.quick else 20),
         warmup=1 if args.quick else 2,
         # One dense layer's backward, timed while the other rank times its own on the second core: with 3-5
@@ -382,8 +424,9 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--reps", type=int, help="timed repetitions of every variant")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and sweep points")
+    parser.add_argument("--reps", type=int, help="timed repetitions of every variant at every sweep point")
+    parser.add_argument("--ratios", type=parse_ratios, help="dense backward / T_comm to sweep, e.g. 0.5,1,2")
     parser.add_argument("--network", choices=MODES, default=MODES[0], help="where the 2 ranks run (default two-hosts)")
     parser.add_argument("--out", default="results/recsys_torchrec.csv", help="long-format CSV to write")
     parser.add_argument("--timeline", metavar="PNG", help="draw one traced torch_ext backward of rank 0")
@@ -398,7 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank_results is not None or "TORCHELASTIC_RUN_ID" in os.environ:
         _rank_main(args)
     config = _config(args)
-    progress(f"recsys_torchrec: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {config.reps} repetitions")
+    progress(
+        f"recsys_torchrec: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, "
+        f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
+    )
     forwarded = sys.argv[1:] if argv is None else list(argv)
     run = run_on_two_hosts(__file__, forwarded, mode=args.network)
     report(slowest_rank(run.results), run.network.label, args.out)
@@ -409,31 +455,48 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_rows(rows: dict) -> list[SummaryRow]:
+    """One row per engine. The headline is the sweep's mean overlap efficiency, beside the ideal's mean; step and
+    backward time against stock are medians over the sweep."""
+    points = sweep_cases(rows, "stock", "efficiency")
+    # "DLRM ..., <n> dense layers, <link>": the link (whether anything can overlap) names the case.
+    scenario, _, link = rows[("stock", points[0][1], "step_ms")]["size"].rpartition(", ")
+    scenario = scenario.rpartition(", ")[0]
+    ideal = statistics.mean(min(1.0, ratio) for ratio, _ in points)
+    t_comm = rows[("comm", "recsys", "t_comm_ms")]["median"]
+
+    def over_stock(variant: str, metric: str) -> float:
+        return statistics.median(
+            rows[(variant, case, metric)]["median"] / rows[("stock", case, metric)]["median"] for _, case in points
+        )
+
     summary = []
-    stock_step = rows[("stock", "recsys", "step_ms")]
-    stock_backward = rows[("stock", "recsys", "backward_ms")]
-    scenario, _, case = stock_step["size"].rpartition(", ")
     for variant in ENGINE_VARIANTS:
-        step = rows[(variant, "recsys", "step_ms")]["median"]
-        backward = rows[(variant, "recsys", "backward_ms")]["median"]
-        efficiency = rows[(variant, "recsys", "efficiency")]["median"]
+        efficiencies = [rows[(variant, case, "efficiency")]["median"] for _, case in points]
+        exposed = [rows[(variant, case, "exposed_ms")]["median"] for _, case in points]
+        mean_efficiency = statistics.mean(efficiencies)
         values = {
-            "step_ms": step,
-            "backward_ms": backward,
-            "efficiency": efficiency,
-            "ratio": step / stock_step["median"],
-            "backward_ratio": backward / stock_backward["median"],
+            "efficiency": mean_efficiency,
+            "ideal_efficiency": ideal,
+            "exposed_ms": statistics.mean(exposed),
+            "ratio": over_stock(variant, "step_ms"),
+            "backward_ratio": over_stock(variant, "backward_ms"),
+            # The curve, for the plot.
+            **{f"efficiency x{ratio:g}": eff for (ratio, _), eff in zip(points, efficiencies, strict=True)},
         }
-        notes = f"overlap efficiency {efficiency:.2f}; backward {values['backward_ratio']:.2f} of stock"
+        per_point = ", ".join(f"x{ratio:g}: {eff:.2f}" for (ratio, _), eff in zip(points, efficiencies, strict=True))
+        notes = (
+            f"step / stock {values['ratio']:.2f}, backward {values['backward_ratio']:.2f}; efficiency by dense/comm "
+            f"ratio {per_point}; exposed {values['exposed_ms']:.1f} ms on average"
+        )
         if variant == "stock":
-            notes += f"; {scenario}"
+            notes += f"; T_comm {t_comm:.3g} ms, {scenario}"
         summary.append(
             SummaryRow(
                 "recsys_torchrec",
-                case,
+                link,
                 variant,
-                f"stock {stock_step['median']:.3g} ms/step",
-                f"{step:.3g} ms/step",
+                "stock",
+                f"efficiency {mean_efficiency:.2f} (ideal {ideal:.2f})",
                 f"{values['ratio']:.2f}",
                 notes,
                 values,
@@ -443,19 +506,8 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
 
 
 def plot(rows: Sequence[SummaryRow], figure) -> None:
-    left, right = figure.subplots(1, 2)
-    labels = [r.variant for r in rows]
-    bar_chart(left, labels, {"efficiency": [r.values["efficiency"] for r in rows]}, "overlap efficiency", 1.0)
-    left.set_title("overlap efficiency (1: all hidden)")
-    bar_chart(
-        right,
-        labels,
-        {"step": [r.values["ratio"] for r in rows], "backward": [r.values["backward_ratio"] for r in rows]},
-        "time / stock",
-        1.0,
-    )
-    right.set_title("training step and backward time / stock")
-    figure.suptitle(f"TorchRec DLRM, embedding all_to_all on 2 gloo ranks, {rows[0].case}")
+    plot_efficiency_curves(figure.subplots(), rows, rows[0].case)
+    figure.suptitle("TorchRec DLRM: its embedding all_to_all's backward beside the dense arch, 2 gloo ranks")
 
 
 if __name__ == "__main__":

@@ -139,19 +139,24 @@ def test_engine_overhead_fixed_cost_is_per_call_with_the_first_call_ratio(tmp_pa
     assert "first call 0.90" in row.notes and row.values["first_call_ratio"] == 0.9
 
 
+def overlap_sweep_rows(link: str) -> list[tuple]:
+    """benchmarks/overlap.py's CSV of a two-point sweep (x0.5: 20 dense layers, x2: 80), T_comm 40 ms."""
+    rows = [("comm", "overlap", f"256d x 4096 rows, {link}", "t_comm_ms", 40, 36, 42)]
+    for ratio, layers, compute, ext_efficiency in ((0.5, 20, 50, 0.4), (2, 80, 110, 0.9)):
+        size = f"256d x 4096 rows, {layers} dense layers, {link}"
+        case = f"overlap x{ratio:g}"
+        for variant, efficiency in (("stock", 0.1), ("torch_ext", ext_efficiency)):
+            exposed = (1 - efficiency) * 40
+            rows.append((variant, case, size, "backward_ms", compute + exposed, 0, 0))
+            rows.append((variant, case, size, "exposed_ms", exposed, 0, 0))
+            rows.append((variant, case, size, "efficiency", efficiency, 0, 0))
+        rows.append(("compute", case, size, "backward_ms", compute, 0, 0))
+        rows.append(("comm", case, size, "backward_ms", 40, 36, 42))
+    return rows
+
+
 def test_overlap_and_split_backward_summaries_from_csvs(tmp_path):
-    size = "256d x 4096 rows, 2 dense layers, plain loopback"
-    write_rows(
-        tmp_path / "overlap.csv",
-        [
-            ("stock", "overlap", size, "backward_ms", 100, 90, 110),
-            ("stock", "overlap", size, "efficiency", 0.2, 0.2, 0.2),
-            ("torch_ext", "overlap", size, "backward_ms", 80, 70, 90),
-            ("torch_ext", "overlap", size, "efficiency", 0.8, 0.8, 0.8),
-            ("compute", "overlap", size, "backward_ms", 70, 60, 80),
-            ("comm", "overlap", size, "backward_ms", 50, 45, 55),
-        ],
-    )
+    write_rows(tmp_path / "overlap.csv", overlap_sweep_rows("plain loopback"))
     stage = "6x(256->1024)/t256"
     split = [("stock_full", "s", stage, "dI+dW_ms", 40, 39, 41), ("stock_full", "s", stage, "peak_full_mb", 2, 2, 2)]
     for variant, d_input, d_weight, peak in (("pipelining", 22, 22, 8.5), ("torch_ext", 20, 18, 3.2)):
@@ -171,10 +176,8 @@ def test_overlap_and_split_backward_summaries_from_csvs(tmp_path):
 
     rows = bench.summarize_folder(tmp_path, ["overlap", "split_backward"])
     overlap = {row.variant: row for row in rows if row.benchmark == "overlap"}
-    assert list(overlap) == ["stock", "torch_ext", "compute", "comm"]
+    assert list(overlap) == ["stock", "torch_ext"]
     assert overlap["torch_ext"].case == "plain loopback"
-    assert overlap["torch_ext"].values == {"backward_ms": 80, "efficiency": 0.8, "ratio": 0.8}
-    assert overlap["compute"].ratio == "-" and "T_compute" in overlap["compute"].notes
 
     split_rows = {row.variant: row for row in rows if row.benchmark == "split_backward"}
     assert split_rows["torch_ext"].values == {
@@ -208,6 +211,38 @@ def test_a_failing_benchmark_fails_the_run_and_says_which(tmp_path, capfd):
     # What there is still gets written.
     assert (folder / "summary.md").is_file() and (folder / "broken.log").is_file()
     assert "broken: failed" in (folder / "summary.md").read_text()
+
+
+def test_overlap_summary_is_the_sweep_and_its_plot_the_curve(tmp_path):
+    link = "2 hosts over a veth shaped to 1gbit"
+    write_rows(tmp_path / "overlap.csv", overlap_sweep_rows(link))
+    rows = bench.summarize_folder(tmp_path, ["overlap"])
+    summary = {row.variant: row for row in rows}
+    # Only variants with a collective; compute and comm are their baselines.
+    assert list(summary) == ["stock", "torch_ext"]
+    ours = summary["torch_ext"]
+    assert ours.case == link
+    # The headline is the sweep's mean, beside the ideal's mean (min(1, ratio): 0.5 and 1).
+    assert ours.values["efficiency"] == pytest.approx(0.65) and ours.values["ideal_efficiency"] == 0.75
+    assert ours.measured == "efficiency 0.65 (ideal 0.75)"
+    assert ours.values["efficiency x0.5"] == 0.4 and ours.values["efficiency x2"] == 0.9
+    assert ours.values["exposed_ms"] == pytest.approx((24 + 4) / 2)
+    # Backward / stock: the median over the sweep of (50 + 24) / (50 + 36) and (110 + 4) / (110 + 36).
+    assert ours.values["ratio"] == pytest.approx((74 / 86 + 114 / 146) / 2)
+    assert "x0.5: 0.40, x2: 0.90" in ours.notes
+    assert "T_comm 40 ms, 256d x 4096 rows" in summary["stock"].notes
+
+    from matplotlib.figure import Figure
+
+    figure = Figure()
+    bench.benchmark_module("overlap").plot(rows, figure)
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    assert list(lines["torch_ext"].get_xdata()) == [0.5, 2] and list(lines["torch_ext"].get_ydata()) == [0.4, 0.9]
+    assert list(lines["stock"].get_ydata()) == [0.1, 0.1]
+    # The ideal, dashed, with its corner at ratio 1.
+    assert list(lines["ideal"].get_xdata()) == [0.5, 1, 2] and list(lines["ideal"].get_ydata()) == [0.5, 1, 1]
+    assert lines["ideal"].get_linestyle() == "--"
+    assert bench.write_plots(tmp_path, rows) == [tmp_path / "overlap.png"]
 
 
 def test_stock_backward_events_in_the_trace_format(monkeypatch):
@@ -287,7 +322,7 @@ def test_overlap_timeline_of_stock_and_torch_ext(tmp_path):
     png = tmp_path / "timeline.png"
     result = subprocess.run(
         [sys.executable, str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--reps", "2", "--network", "loopback"]
-        + ["--timeline", str(png), "--out", str(tmp_path / "overlap.csv")],
+        + ["--ratios", "1", "--timeline", str(png), "--out", str(tmp_path / "overlap.csv")],
         check=False,
         capture_output=True,
         text=True,
@@ -440,7 +475,16 @@ def test_overlap_started_by_torchrun_reports_on_rank_0(tmp_path):
     out = tmp_path / "overlap.csv"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [str(bench.benchmarks_dir() / "overlap.py"), "--quick", "--reps", "2", "--out", str(out)],
+        + [
+            str(bench.benchmarks_dir() / "overlap.py"),
+            "--quick",
+            "--reps",
+            "2",
+            "--ratios",
+            "0.5,1",
+            "--out",
+            str(out),
+        ],
         check=False,
         capture_output=True,
         text=True,
@@ -448,8 +492,10 @@ def test_overlap_started_by_torchrun_reports_on_rank_0(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("backward ms: median") == 1
-    rows = {(row["what"], row["metric"]): row for row in csv.DictReader(out.read_text().splitlines())}
-    assert rows[("torch_ext", "efficiency")]["size"].endswith(", torchrun with 2 ranks")
+    rows = {(row["what"], row["case"], row["metric"]): row for row in csv.DictReader(out.read_text().splitlines())}
+    for case in ("overlap x0.5", "overlap x1"):
+        assert rows[("torch_ext", case, "efficiency")]["size"].endswith(", torchrun with 2 ranks")
+    assert rows[("comm", "overlap", "t_comm_ms")]["size"].endswith(", torchrun with 2 ranks")
 
 
 def _terminate_when(process: subprocess.Popen, ready, timeout_s: float) -> None:
@@ -607,28 +653,43 @@ def test_git_sha_ignores_a_repository_around_an_installed_package(monkeypatch, t
 
 
 def test_recsys_torchrec_summary_from_a_csv(tmp_path):
-    size = "DLRM 8 tables x 256d table-wise, 18 dense layers, 2 hosts over a veth shaped to 1gbit"
-    write_rows(
-        tmp_path / "recsys_torchrec.csv",
-        [
-            ("stock", "recsys", size, "step_ms", 200, 190, 210),
-            ("stock", "recsys", size, "backward_ms", 150, 140, 160),
-            ("stock", "recsys", size, "wait_ms", 35, 34, 36),
-            ("stock", "recsys", size, "efficiency", 0.03, 0.03, 0.03),
-            ("torch_ext", "recsys", size, "step_ms", 170, 160, 180),
-            ("torch_ext", "recsys", size, "backward_ms", 120, 110, 130),
-            ("torch_ext", "recsys", size, "wait_ms", 10, 9, 11),
-            ("torch_ext", "recsys", size, "efficiency", 0.7, 0.7, 0.7),
-            ("comm", "recsys", size, "backward_ms", 36, 35, 37),
-        ],
-    )
-    rows = {row.variant: row for row in bench.summarize_folder(tmp_path, ["recsys_torchrec"])}
-    assert list(rows) == ["stock", "torch_ext"]
-    ours = rows["torch_ext"]
-    assert ours.case == "2 hosts over a veth shaped to 1gbit"
-    assert (ours.baseline, ours.measured, ours.ratio) == ("stock 200 ms/step", "170 ms/step", "0.85")
-    assert ours.values["efficiency"] == 0.7 and ours.values["backward_ratio"] == 0.8
-    assert "overlap efficiency 0.70" in ours.notes
+    link = "2 hosts over a veth shaped to 1gbit"
+    scenario = "DLRM 8 tables x 256d table-wise"
+    rows = [("comm", "recsys", f"{scenario}, {link}", "t_comm_ms", 36, 35, 37)]
+    for ratio, layers, stock_step, ext_step, ext_exposed in ((0.5, 9, 150, 120, 18), (1, 18, 200, 170, 3.6)):
+        size = f"{scenario}, {layers} dense layers, {link}"
+        case = f"recsys x{ratio:g}"
+        for variant, step, exposed in (("stock", stock_step, 36), ("torch_ext", ext_step, ext_exposed)):
+            rows.append((variant, case, size, "step_ms", step, 0, 0))
+            rows.append((variant, case, size, "backward_ms", step - 50, 0, 0))
+            rows.append((variant, case, size, "exposed_ms", exposed, 0, 0))
+            rows.append((variant, case, size, "efficiency", 1 - exposed / 36, 0, 0))
+        rows.append(("comm", case, size, "backward_ms", 36, 35, 37))
+    write_rows(tmp_path / "recsys_torchrec.csv", rows)
+    summary = bench.summarize_folder(tmp_path, ["recsys_torchrec"])
+    by_variant = {row.variant: row for row in summary}
+    assert list(by_variant) == ["stock", "torch_ext"]
+    ours = by_variant["torch_ext"]
+    assert ours.case == link
+    # The headline: the sweep's mean efficiency (0.5 and 0.9) beside the ideal's (0.5 and 1).
+    assert ours.values["efficiency"] == pytest.approx(0.7) and ours.values["ideal_efficiency"] == 0.75
+    assert ours.measured == "efficiency 0.70 (ideal 0.75)"
+    assert ours.values["efficiency x0.5"] == pytest.approx(0.5) and ours.values["efficiency x1"] == pytest.approx(0.9)
+    assert ours.values["exposed_ms"] == pytest.approx(10.8)
+    # Step and backward / stock: medians over the sweep.
+    assert ours.values["ratio"] == pytest.approx((120 / 150 + 170 / 200) / 2) and ours.ratio == "0.82"
+    assert ours.values["backward_ratio"] == pytest.approx((70 / 100 + 120 / 150) / 2)
+    assert "x0.5: 0.50, x1: 0.90" in ours.notes
+    assert by_variant["stock"].values["efficiency"] == pytest.approx(0.0)
+    assert f"T_comm 36 ms, {scenario}" in by_variant["stock"].notes
+
+    from matplotlib.figure import Figure
+
+    figure = Figure()
+    bench.benchmark_module("recsys_torchrec").plot(summary, figure)
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    assert list(lines["torch_ext"].get_ydata()) == pytest.approx([0.5, 0.9])
+    assert list(lines["ideal"].get_ydata()) == [0.5, 1]
 
 
 @pytest.mark.distributed
@@ -636,8 +697,8 @@ def test_recsys_torchrec_summary_from_a_csv(tmp_path):
     not all(importlib.util.find_spec(name) for name in ("torchrec", "fbgemm_gpu")), reason="TorchRec is not installed"
 )
 def test_recsys_torchrec_quick_run_matches_stock_and_reports(tmp_path):
-    """Its check of stock's bits (losses, dense gradients, tables after the fused update) passes, and the table
-    and CSV hold both engines' step, backward, wait and efficiency."""
+    """Its check of stock's bits (losses, dense gradients, tables after the fused update) passes at every sweep
+    point, and the CSV holds both engines' step, backward, exposed communication and efficiency at each."""
     out = tmp_path / "recsys.csv"
     result = subprocess.run(
         [
@@ -646,6 +707,8 @@ def test_recsys_torchrec_quick_run_matches_stock_and_reports(tmp_path):
             "--quick",
             "--reps",
             "2",
+            "--ratios",
+            "0.5,1",
             "--out",
             str(out),
         ],
@@ -656,11 +719,13 @@ def test_recsys_torchrec_quick_run_matches_stock_and_reports(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(out) as f:
-        metrics = {(row["what"], row["metric"]) for row in csv.DictReader(f)}
-    for variant in ("stock", "torch_ext"):
-        for metric in ("step_ms", "backward_ms", "wait_ms", "efficiency"):
-            assert (variant, metric) in metrics
-    assert ("comm", "backward_ms") in metrics
+        metrics = {(row["what"], row["case"], row["metric"]) for row in csv.DictReader(f)}
+    for case in ("recsys x0.5", "recsys x1"):
+        for variant in ("stock", "torch_ext"):
+            for metric in ("step_ms", "backward_ms", "exposed_ms", "efficiency"):
+                assert (variant, case, metric) in metrics
+        assert ("comm", case, "backward_ms") in metrics
+    assert ("comm", "recsys", "t_comm_ms") in metrics
 
 
 def test_moe_sync_summary_from_a_csv(tmp_path):
