@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.variable import Variable
 
 import torch_ext
 from torch_ext.__main__ import main as torch_ext_main
@@ -105,6 +106,26 @@ def test_stock_run_is_stock_even_when_torch_ext_is_enabled():
         report = torch_ext.verify(step, models=[model], optimizers=[optimizer])
     assert report.identical, report.summary()
     assert on_torch_ext == [False, True]
+
+
+def test_a_step_that_raises_leaves_the_model_as_it_was():
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train = _training_step(model, optimizer)
+    train()
+    before = _state(model, optimizer)
+
+    def step():
+        train()
+        if torch_ext.is_enabled():
+            raise ValueError("a failing step")
+
+    with pytest.raises(ValueError, match="a failing step") as raised:
+        torch_ext.verify(step, models=[model], optimizers=[optimizer])
+    assert "torch_ext.verify: raised in step 0 of the torch_ext run" in raised.value.__notes__
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model, optimizer), strict=True))
+    # The engine wrapper is gone, and torch_ext is off again.
+    assert Variable._execution_engine is torch_ext.engine._router and not torch_ext.is_enabled()
 
 
 def test_gpt2_with_adamw_is_identical():

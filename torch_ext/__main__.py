@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         help="run a training step on stock PyTorch and on torch_ext and compare every gradient and parameter",
         description="Runs module:function's training step on stock PyTorch and on torch_ext from one snapshot and "
         "compares every gradient and parameter bit for bit (torch_ext.verify). Under torchrun each rank verifies "
-        "its own step and rank 0 prints every rank's report. Exit status: 0 when every rank is identical, 1 when not.",
+        "its own step and rank 0 prints the reports: its own, every different rank's, the others' verdicts. Exit "
+        "status: 0 when every rank is identical, 1 when not.",
     )
     add_verify_arguments(verify_parser)
     verify_parser.set_defaults(run=run_verify)

@@ -1074,6 +1074,9 @@ def run_command(args) -> int:
         report = verify(**kwargs)
         summary = report.summary(verbose=args.verbose)
         if dist.is_initialized():
+            # Rank 0 prints its report and every different rank's; of another identical rank, its verdict.
+            if report.identical and dist.get_rank() != 0:
+                summary = summary.splitlines()[0]
             summaries: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(summaries, summary)
             if dist.get_rank() == 0:

@@ -3,10 +3,17 @@
 The models are the ones test_moe.py and test_torchrec.py train (imported, not copied). Every rank
 verifies its step; the ranks agree on the verdict; the collectives each engine ran in backward are
 reported with their launch and wait; the snapshot is restored after the call, TorchRec's sharded
-tables included. A step that differs on one rank only makes every rank report the difference.
+tables included. A step that differs on one rank only makes every rank report the difference, and
+``python -m torch_ext verify`` under torchrun exits nonzero for it.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -173,3 +180,50 @@ def test_dlrm_is_identical_and_its_tables_are_restored(rank_results):
                     ("All2All_Pooled_WaitBackward", "launch", 1)
                 ], (engine, call)
         assert not any(dlrm["orders_equal"]), f"rank {rank}: torch_ext ran stock's order: nothing tested"
+
+
+TORCHRUN_MODULE = """
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torch_ext
+import torch_ext.ops as xops
+
+
+def build():
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+    inputs, targets = torch.randn(8, 4), torch.randn(8, 1)
+    if rank == 1:
+        # Only this rank's gradient of second.weight differs: it feeds no collective.
+        second.weight.register_hook(lambda grad: grad * 1.0001 if torch_ext.is_enabled() else grad)
+
+    def step():
+        optimizer.zero_grad()
+        loss = F.mse_loss(second(xops.all_reduce(first(inputs))), targets)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step, {"first": first, "second": second}, [optimizer]
+"""
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+def test_command_under_torchrun_exits_nonzero_when_one_rank_differs(tmp_path):
+    (tmp_path / "two_ranks.py").write_text(textwrap.dedent(TORCHRUN_MODULE))
+    command = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "torch_ext", "verify", "--factory"]
+    command.append(f"{tmp_path / 'two_ranks.py'}:build")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": os.pathsep.join(sys.path)}
+    finished = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert finished.returncode != 0, finished.stdout + finished.stderr
+    out = finished.stdout
+    # Rank 0 prints every rank's report, once.
+    assert out.count("rank 0: torch_ext.verify: IDENTICAL") == 1, out + finished.stderr
+    assert out.count("rank 1: torch_ext.verify: DIFFERENT") == 1, out
+    assert "first: step 0, backward call 0: gradient of second.weight" in out
+    assert out.count("ranks: 2, different on rank(s) [1]") == 2
+    assert "collective, torch_ext: GeneratedBackwardFor_torch_ext_all_reduce" in out
