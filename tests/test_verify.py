@@ -176,6 +176,21 @@ def test_a_difference_in_one_gradient_is_named_with_the_node_that_produced_it():
     assert len(first.produced_by) == 1 and first.produced_by[0].startswith("TBackward0 (sequence_nr "), first
 
 
+def test_an_extra_backward_call_on_torch_ext_is_a_difference():
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = _training_step(model, optimizer)
+
+    def step():
+        train()
+        if torch_ext.is_enabled():
+            torch.autograd.grad(model(torch.ones(1, 4)).sum(), [model[0].weight])
+
+    report = torch_ext.verify(step, models=[model], optimizers=[optimizer])
+    assert [(d.what, d.detail) for d in report.differences] == [("backward calls", "stock made 1, torch_ext 2")]
+    assert "step 0, backward call 1: stock (no such call); torch_ext 6 nodes" in report.summary()
+
+
 def test_random_generators_are_snapshotted():
     model = _mlp(dropout=0.5)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -224,9 +224,8 @@ class VerifyReport:
                 f"torch_ext.verify: DIFFERENT: {len(self.differences)} of {self.compared} values differ, {steps}"
             )
             lines.append(f"  first: {self.differences[0]}")
-            listed = self.differences if verbose else self.differences[1:_LISTED_DIFFERENCES]
-            for difference in listed[1:] if verbose else listed:
-                lines.append(f"  also:  {difference}")
+            rest = self.differences[1:] if verbose else self.differences[1:_LISTED_DIFFERENCES]
+            lines += [f"  also:  {difference}" for difference in rest]
             if not verbose and len(self.differences) > _LISTED_DIFFERENCES:
                 lines.append(f"  ... and {len(self.differences) - _LISTED_DIFFERENCES} more")
             if any(d.what == "return value" for d in self.differences):
@@ -240,14 +239,11 @@ class VerifyReport:
                 f"  ranks: {len(self.ranks_identical)}, "
                 + ("all identical" if not different else f"different on rank(s) {different}")
             )
-        stock_runs, our_runs = self.backward["stock"], self.backward["torch_ext"]
-        for index in range(max(len(stock_runs), len(our_runs))):
-            lines += _describe_calls(
-                stock_runs[index] if index < len(stock_runs) else None,
-                our_runs[index] if index < len(our_runs) else None,
-                verbose,
-            )
-        if any(run.collectives for run in stock_runs + our_runs):
+        stock_runs = {(run.step, run.index): run for run in self.backward["stock"]}
+        our_runs = {(run.step, run.index): run for run in self.backward["torch_ext"]}
+        for call in sorted(stock_runs.keys() | our_runs.keys()):
+            lines += _describe_calls(stock_runs.get(call), our_runs.get(call), verbose)
+        if any(run.collectives for runs in self.backward.values() for run in runs):
             overlaps = {engine: self.overlap(engine) for engine in ENGINES}
             lines.append(
                 "  overlap (share of collectives' time in flight spent running other nodes): "
@@ -264,8 +260,8 @@ def verify(
     step: Callable[[], Any],
     *,
     steps: int = 1,
-    models: Iterable[torch.nn.Module] | None = None,
-    optimizers: Iterable[torch.optim.Optimizer] | None = None,
+    models: Iterable[torch.nn.Module] | dict[str, torch.nn.Module] | None = None,
+    optimizers: Iterable[torch.optim.Optimizer] | dict[str, torch.optim.Optimizer] | None = None,
     stateful: Iterable[Any] = (),
     group: Any = None,
 ) -> VerifyReport:
@@ -273,7 +269,8 @@ def verify(
     every gradient and every parameter bit for bit (how: the module docstring and the guide "Verifying a step").
 
     ``models``, ``optimizers``: what to snapshot and compare (parameters, buffers, gradients; optimizer
-    state); when None, the modules (optimizers) the step refers to. ``stateful``: more objects with
+    state), a list or a dict whose keys prefix the names in the report (a single model's names are its
+    own); when None, the modules (optimizers) the step refers to. ``stateful``: more objects with
     ``state_dict()``/``load_state_dict()`` (an LR scheduler, a ``GradScaler``) to snapshot and restore.
     Under ``torch.distributed`` every rank of ``group`` (default: the world) must call it, each with its
     own step; the ranks then agree on :attr:`VerifyReport.ranks_identical`.
@@ -329,7 +326,8 @@ def _named(objects, label: str) -> dict[str, Any]:
     """``{name: object}``: the names a dict already has, else ``label[i]`` (the bare name for a single one)."""
     if isinstance(objects, dict):
         return dict(objects)
-    objects = list(objects)
+    # One model or optimizer given without a list (a Sequential is iterable: over its children).
+    objects = [objects] if isinstance(objects, (torch.nn.Module, torch.optim.Optimizer)) else list(objects)
     if len(objects) == 1:
         return {"": objects[0]}
     return {f"{label}[{index}]": value for index, value in enumerate(objects)}
@@ -986,32 +984,36 @@ def _format_share(value: float | None) -> str:
 
 
 def _describe_calls(stock: BackwardRun | None, ours: BackwardRun | None, verbose: bool) -> list[str]:
-    run = stock if stock is not None else ours
+    """A backward call as the two engines ran it: sizes and times, the orders (where they part), the collectives."""
+    runs = (("stock", stock), ("torch_ext", ours))
+    first = stock if stock is not None else ours
     lines = [
-        f"  step {run.step}, backward call {run.index}: "
-        + "; ".join(f"{engine} {_describe_run(r)}" for engine, r in (("stock", stock), ("torch_ext", ours)))
+        f"  step {first.step}, backward call {first.index}: "
+        + "; ".join(f"{engine} {_describe_run(run)}" for engine, run in runs)
     ]
-    orders = [r.order if r is not None else None for r in (stock, ours)]
-    if orders[0] is not None and orders[1] is not None:
-        if orders[0] == orders[1]:
+    orders = {engine: run.order for engine, run in runs if run is not None and run.order is not None}
+    shown = {engine: (0, len(order)) for engine, order in orders.items()}
+    if len(orders) == 2:
+        stock_order, our_order = orders["stock"], orders["torch_ext"]
+        if stock_order == our_order:
             lines.append("    order: the same on both engines")
         else:
-            position = next((i for i, (a, b) in enumerate(zip(orders[0], orders[1])) if a != b), min(map(len, orders)))
-            lines.append(f"    order: first differs at node {position}:")
-    for engine, r in (("stock", stock), ("torch_ext", ours)):
-        if r is None or r.order is None:
-            continue
-        shown = r.order if verbose else r.order[:_LISTED_NODES]
-        more = "" if len(shown) == len(r.order) else f", ... ({len(r.order) - len(shown)} more)"
-        if orders[0] != orders[1] and not verbose and orders[0] is not None and orders[1] is not None:
-            # Around where the orders part.
-            start = max(position - 2, 0)
-            shown = r.order[start : position + 3]
-            more = f" (nodes {start}-{start + len(shown) - 1} of {len(r.order)})"
-        lines.append(f"    {engine + ':':<11}{', '.join(shown)}{more}")
-    for engine, r in (("stock", stock), ("torch_ext", ours)):
-        for collective in r.collectives if r is not None else ():
-            lines.append(f"    collective, {engine}: {collective}")
+            parting = next(
+                (i for i, (a, b) in enumerate(zip(stock_order, our_order)) if a != b),
+                min(len(stock_order), len(our_order)),
+            )
+            lines.append(f"    order: first differs at node {parting}:")
+            if not verbose:
+                shown = {engine: (max(parting - 2, 0), parting + 3) for engine in orders}
+    for engine, order in orders.items():
+        start, end = (0, len(order)) if verbose else shown[engine]
+        if not verbose and (start, end) == (0, len(order)):
+            end = _LISTED_NODES
+        nodes = order[start:end]
+        where = "" if len(nodes) == len(order) else f" (nodes {start}-{start + len(nodes) - 1} of {len(order)})"
+        lines.append(f"    {engine + ':':<11}{', '.join(nodes)}{where}")
+    for engine, run in runs:
+        lines += [f"    collective, {engine}: {collective}" for collective in (run.collectives if run else ())]
     return lines
 
 
@@ -1051,7 +1053,9 @@ def add_arguments(parser) -> None:
         help="call the function once to build the step: it returns the step, (step, models), "
         "(step, models, optimizers) or a dict of verify()'s keywords",
     )
-    parser.add_argument("--steps", type=int, default=1, help="steps to run on each engine (default 1)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps to run on each engine (default: the factory's, else 1)"
+    )
     parser.add_argument(
         "--verbose", action="store_true", help="every difference and each backward call's whole node order"
     )
@@ -1070,7 +1074,8 @@ def run_command(args) -> int:
         started_group = True
     try:
         kwargs = _target(args.target, args.factory)
-        kwargs.setdefault("steps", args.steps)
+        if args.steps is not None:
+            kwargs["steps"] = args.steps
         report = verify(**kwargs)
         summary = report.summary(verbose=args.verbose)
         if dist.is_initialized():
