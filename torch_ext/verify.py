@@ -298,7 +298,7 @@ def _verify(step, steps, models, optimizers, stateful, group, restore_rng: bool)
             if found_optimizers:
                 notes.append(f"optimizers found in the step's references: {', '.join(found_optimizers)}")
     snapshot = _Snapshot(_named(models, "models"), _named(optimizers, "optimizers"), list(stateful))
-    session = _Session(snapshot, restore_rng)
+    session = _Session(snapshot)
     try:
         with session.installed():
             session.run("stock", step, steps)
@@ -625,9 +625,8 @@ class _StepRecord:
 class _Session:
     """Both runs: the engine wrapper's target, the stock records and the differences found."""
 
-    def __init__(self, snapshot: _Snapshot, restore_rng: bool) -> None:
+    def __init__(self, snapshot: _Snapshot) -> None:
         self.snapshot = snapshot
-        self.restore_rng = restore_rng
         self.engine = "stock"
         self.step_index = 0
         self.records: list[_StepRecord] = []
