@@ -384,8 +384,10 @@ def hosts(monkeypatch, tmp_path):
 
 
 def _our_namespaces() -> list[str]:
+    """This process's hosts' namespaces (named with its pid): a benchmark running beside the tests has its own."""
     listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
-    return [line.split()[0] for line in listed.splitlines() if line.startswith("torch_ext_host")]
+    names = [line.split()[0] for line in listed.splitlines() if line.startswith("torch_ext_host")]
+    return [name for name in names if name.endswith(f"_{os.getpid()}")]
 
 
 def _can_make_namespaces() -> bool:
@@ -400,7 +402,7 @@ def test_two_hosts_run_torchrun_in_their_namespaces(hosts):
     assert run.network.mode == "two-hosts" and "veth" in run.network.label
     assert run.results == [{"rank": 0, "sum": 3.0, "host": "host0"}, {"rank": 1, "sum": 3.0, "host": "host1"}]
     assert not _our_namespaces()
-    assert not list(_hosts.NETNS_ETC.glob(f"{_hosts.NETNS_PREFIX}*"))
+    assert not list(_hosts.NETNS_ETC.glob(f"{_hosts.NETNS_PREFIX}*_{os.getpid()}"))
 
 
 @pytest.mark.distributed
