@@ -11,6 +11,7 @@
 // of its instructions on a chain of tiny ops; see node_executor.cpp.)
 
 #include "priority_table.h"
+#include "scheduler.h"
 #include "trace.h"
 
 #include <torch/csrc/autograd/edge.h>
@@ -144,8 +145,17 @@ struct NodeSlot {
   // not_ready_ entry).
   SlotBuffer inputs;
 
+  // Whether it receives gradients (stock: an exec_info entry that is needed
+  // or captures): BackwardCall::deliver, and the schedule replays.
   bool should_execute() const {
     return needed || first_capture != kNoSlot;
+  }
+  // Whether its apply() runs and its outputs are delivered along its edges:
+  // every action but the two that only capture (BackwardCall::run_node_action,
+  // and the schedule replays).
+  bool delivers_outputs() const {
+    return action != NodeAction::kCaptureOnly &&
+        action != NodeAction::kCaptureAndKeep;
   }
 };
 
@@ -224,6 +234,33 @@ struct GraphPlan {
     return edge_targets[slots[slot].first_edge + edge_index];
   }
 };
+
+// The scheduling rule, in its one home: the key `slot` is queued with when it
+// becomes ready. Its effective priority, then its sequence_nr, except that a
+// node that would block on communication goes behind every other ready node
+// of its priority, overlapping it: a node whose input is a collective's
+// result in flight (`reads_result_in_flight`; a leaf's AccumulateGrad,
+// sequence_nr UINT64_MAX, would otherwise run, and wait, at once), and a
+// collective's wait node, which runs as late as its readers allow. The
+// executor (BackwardCall::ready_key) and the replay of its order
+// (planned_run_slots) both ask it.
+inline ReadyNode ready_key(
+    const GraphPlan& plan,
+    int32_t slot,
+    bool reads_result_in_flight) {
+  const NodeSlot& node = plan.slots[slot];
+  const int64_t priority = plan.priority.empty() ? 0 : plan.priority[slot];
+  const uint64_t order = reads_result_in_flight || node.collective_wait
+      ? 0
+      : node.fn->sequence_nr();
+  return {priority, order, slot};
+}
+
+// Stock's key: sequence_nr alone (its heap is over reentrant depth and
+// sequence_nr, and a call runs at one depth).
+inline ReadyNode stock_ready_key(const GraphPlan& plan, int32_t slot) {
+  return {0, plan.slots[slot].fn->sequence_nr(), slot};
+}
 
 // The smallest topological_nr of `inputs`' nodes, or 0 for none: a node
 // below it cannot lead to an input, and discovery does not expand it.

@@ -280,17 +280,8 @@ const BackwardCall* BackwardCall::running_call() {
 }
 
 ReadyNode BackwardCall::ready_key(int32_t target) const {
-  const NodeSlot& slot = plan_.slots[target];
-  const int64_t priority = plan_.priority.empty() ? 0 : plan_.priority[target];
-  // A node whose input is a collective's result in flight would block on
-  // it; every other ready node of its priority runs first, overlapping the
-  // communication. (A leaf's AccumulateGrad, sequence_nr UINT64_MAX, would
-  // otherwise run, and wait, at once.)
-  // A collective's wait node likewise runs as late as its readers allow.
-  const uint64_t order = slot.has_pending_wait || slot.collective_wait
-      ? 0
-      : slot.fn->sequence_nr();
-  return {priority, order, target};
+  return torch_ext::ready_key(
+      plan_, target, plan_.slots[target].has_pending_wait);
 }
 
 void BackwardCall::add_to_input(
@@ -397,8 +388,7 @@ std::optional<variable_list> BackwardCall::run_node_action(
   NodeSlot& slot = plan_.slots[index];
   Node& fn = *slot.fn;
   const bool keep_graph = options_.keep_graph;
-  if (slot.action == NodeAction::kCaptureOnly ||
-      slot.action == NodeAction::kCaptureAndKeep) {
+  if (!slot.delivers_outputs()) {
     // Captured but not run: its tensor pre-hooks still see the gradient
     // (stock NOTE [Hooks ordering]).
     call_tensor_pre_hooks(fn, buffered);

@@ -1,7 +1,11 @@
-// Every torch_ext schema, in one TORCH_LIBRARY block: the engine's entry
-// points callable as torch.ops.torch_ext.*. Arguments the schema language
-// cannot express (GradientEdge roots, Python callables) go through
-// python_bindings.cpp instead.
+// The engine's entry points as torch.ops.torch_ext.* schemas, in this one
+// TORCH_LIBRARY block. The namespace's other ops are registered from Python,
+// each kind in one place: the collectives (torch.library.custom_op, with
+// their fakes and autograd) in torch_ext/ops/collectives.py, the Triton-backed
+// multi-tensor kernels (torch.library.triton_op) in torch_ext/kernels.py; a
+// TORCH_LIBRARY_FRAGMENT nowhere. Arguments the schema language cannot
+// express (GradientEdge roots, Python callables) go through the Python
+// bindings (python_bindings.cpp) instead.
 
 #include "backward_request.h"
 

@@ -30,12 +30,11 @@ void replay_schedule(
       ++pending[target];
     }
   }
-  // What BackwardCall::deliver and execute_node do with a slot.
   auto receives = [&](int32_t s) {
     return every_slot_runs || plan.slots[s].should_execute();
   };
   auto delivers = [&](int32_t s) {
-    return every_slot_runs || !plan.filtered || plan.slots[s].needed;
+    return every_slot_runs || plan.slots[s].delivers_outputs();
   };
   ReadyQueue ready;
   auto deliver = [&](size_t edge, int32_t target, uint32_t input_nr) {
@@ -94,9 +93,7 @@ void order_deliveries_as_stock(GraphPlan& plan, bool every_slot_runs) {
   replay_schedule(
       plan,
       every_slot_runs,
-      [&](int32_t s) {
-        return ReadyNode{0, plan.slots[s].fn->sequence_nr(), s};
-      },
+      [&](int32_t s) { return stock_ready_key(plan, s); },
       [&](size_t edge, int32_t target, uint32_t input_nr) {
         const uint32_t position = position_base[target] + input_nr;
         position_of_edge[edge] = static_cast<int32_t>(position);
@@ -124,7 +121,7 @@ void order_deliveries_as_stock(GraphPlan& plan, bool every_slot_runs) {
 
 std::vector<int32_t> planned_run_slots(const GraphPlan& plan) {
   // A delivery from a node that hands its result over in flight makes its
-  // target wait late (BackwardCall::ready_key).
+  // target read that result in flight (BackwardCall::note_pending_delivery).
   std::vector<char> receives_in_flight(plan.slots.size(), 0);
   for (size_t s = 0; s < plan.slots.size(); ++s) {
     const NodeSlot& slot = plan.slots[s];
@@ -142,14 +139,7 @@ std::vector<int32_t> planned_run_slots(const GraphPlan& plan) {
   replay_schedule(
       plan,
       /*every_slot_runs=*/false,
-      [&](int32_t s) {
-        const int64_t priority = plan.priority.empty() ? 0 : plan.priority[s];
-        const uint64_t sequence_nr =
-            receives_in_flight[s] || plan.slots[s].collective_wait
-            ? 0
-            : plan.slots[s].fn->sequence_nr();
-        return ReadyNode{priority, sequence_nr, s};
-      },
+      [&](int32_t s) { return ready_key(plan, s, receives_in_flight[s] != 0); },
       [](size_t, int32_t, uint32_t) {},
       [&](int32_t s) { order.push_back(s); });
   return order;
