@@ -7,14 +7,16 @@ for them, which is how they import this module.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gc
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -256,3 +258,57 @@ def slowest_rank_median(measure: Callable[[], float], reps: int) -> float:
     samples = torch.tensor([measure() for _ in range(reps)], dtype=torch.float64)
     dist.all_reduce(samples, op=dist.ReduceOp.MAX)
     return statistics.median(samples.tolist())
+
+
+# A dense layer's backward is calibrated on this many layers one after the other: calls of 8-20 ms here, not 1-2.
+CALIBRATION_LAYERS = 8
+
+
+def dense_layer_backward_s(hidden: int, rows: int, reps: int) -> float:
+    """Seconds of one Linear(hidden, hidden) + ReLU layer's backward at ``rows`` rows: the fastest of ``reps``
+    backward calls of a stack of CALIBRATION_LAYERS such layers (after one untimed call), over their number; this
+    process's.
+
+    The fastest, not the median: on these shared cores a median follows whatever else runs at that moment. Medians
+    of 9 calls of one layer read 5.4 ms instead of 1.9 beside a pytest run (the sweep's points a third of the
+    ratios asked for), and of the stack before each point of one run 2.29, 1.87 and 0.82 ms under a load average of
+    4. The fastest call is the machine's speed when the rank has its core, so the sweep's depths repeat between
+    runs; under load the dense backward then lasts longer than the ratio says.
+    """
+    stack = torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU()) for _ in range(CALIBRATION_LAYERS))
+    )
+    x = torch.randn(rows, hidden)
+    stack(x).sum().backward()
+    times = []
+    for _ in range(reps):
+        loss = stack(x).sum()
+        start = time.perf_counter()
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    return min(times) / CALIBRATION_LAYERS
+
+
+@contextlib.contextmanager
+def load_average(every_s: float = 2.0) -> Iterator[Callable[[], Summary]]:
+    """Samples the machine's 1-minute load average every ``every_s`` seconds while the block runs (a benchmark's
+    ranks); yields a function giving their median and percentiles. A benchmark's two busy ranks make about 2 on
+    this 2-core machine; more is other processes sharing the cores, under which overlap figures move: a rank that
+    blocks on the network lends its core to them, one that computes competes (docs/benchmarks.md)."""
+    samples: list[float] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while True:
+            samples.append(os.getloadavg()[0])
+            if stop.wait(every_s):
+                return
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        # A run shorter than two samples still has its one.
+        yield lambda: summarize(samples if len(samples) > 1 else samples * 2)
+    finally:
+        stop.set()
+        thread.join()

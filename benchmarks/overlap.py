@@ -73,10 +73,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from _common import (
+    Summary,
     SummaryRow,
     csv_row,
+    dense_layer_backward_s,
     git_sha,
-    median_backward_s,
+    load_average,
     parse_ratios,
     plot_efficiency_curves,
     progress,
@@ -265,8 +267,7 @@ def _run_rank(config: Config) -> list[dict]:
         for _ in range(WARMUP_ALL_TO_ALLS):
             _comm_only(dim)
         t_comm = slowest_rank_median(lambda: _comm_only(dim), COMM_CALIBRATION_REPS)
-        layer, x = nn.Linear(HIDDEN, HIDDEN), torch.randn(BATCH, HIDDEN, requires_grad=True)
-        t_layer = agreed_max(median_backward_s(lambda: torch.relu(layer(x)).sum(), config.calibration_reps))
+        t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps))
         # The timeline is of the point nearest ratio 1, where the two orders differ most.
         traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
         # What bit-stable accumulation holds back while the engine runs producers out of stock's order.
@@ -278,9 +279,8 @@ def _run_rank(config: Config) -> list[dict]:
             model = Model(dim, dense_layers)
             inputs = (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))
             _check_same_gradients(model, inputs)
-            points.append(
-                {"ratio": ratio, "dense_layers": dense_layers, "times": _time_point(model, inputs, dim, config)}
-            )
+            times = _time_point(model, inputs, dim, config)
+            points.append({"ratio": ratio, "dense_layers": dense_layers, "times": times})
             if config.timeline_png is not None and ratio == traced_ratio and timelines is None:
                 timelines = (_traced_timelines(model, inputs), dense_layers)
         held = torch_ext._C._held_gradient_stats(True)
@@ -469,7 +469,8 @@ def _write_timelines(rows: list[tuple[str, list[dict]]], png_path: str, dense_la
 # --- report -------------------------------------------------------------------------------------
 
 
-def report(result: dict, link: str, out: str) -> None:
+def report(result: dict, link: str, out: str, load: Summary | None = None) -> None:
+    """Prints the table and writes the CSV; ``load``: the load average while the ranks ran, where known."""
     sha = git_sha()
     calibration = result["calibration"]
     print(
@@ -508,8 +509,12 @@ def report(result: dict, link: str, out: str) -> None:
                 f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<18} {backward!s:<30} "
                 f"{backward.median / 1e3 / stock:6.2f} {exposed_text:>10} {efficiency_text:>10} {ideal_text:>5}"
             )
+    if load is not None:
+        rows.append(csv_row("machine", "overlap", link, "load_average", load, sha))
     write_csv(out, rows)
     print(f"T_comm {comm} ms (every point's comm; efficiency = 1 - exposed / its median)")
+    if load is not None:
+        print(f"load average while the ranks ran: {load} (the ranks make ~2; more: other processes on the cores)")
     held = result.get("held")
     if held is not None:
         # Gradients that reached a buffer ahead of stock's order wait there for their turn (issue #12).
@@ -535,9 +540,8 @@ def _config(args: argparse.Namespace) -> Config:
         ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
         reps=args.reps or (8 if args.quick else 20),
         warmup=1 if args.quick else 2,
-        # As recsys_torchrec.py found, the slower rank's median per-layer time varies between runs on these 2
-        # shared cores, and the dense depth with it. Quick runs with 3 repetitions: 3-7 layers, torch_ext's
-        # efficiency 0.40-0.84; with 9: 4-6 layers, 0.71-0.90 (three runs).
+        # Calls of the calibration's stack of layers (_common.dense_layer_backward_s), timed while the other rank
+        # times its own on the second core.
         calibration_reps=9 if args.quick else 15,
         timeline_png=timeline_png,
     )
@@ -583,8 +587,9 @@ def main(argv: list[str] | None = None) -> int:
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions of {len(VARIANTS)} variants"
     )
     forwarded = sys.argv[1:] if argv is None else list(argv)
-    run = run_on_two_hosts(__file__, forwarded, mode=args.network)
-    report(slowest_rank(run.results), run.network.label, args.out)
+    with load_average() as load:
+        run = run_on_two_hosts(__file__, forwarded, mode=args.network)
+    report(slowest_rank(run.results), run.network.label, args.out, load())
     return 0
 
 
@@ -621,6 +626,9 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
         notes = f"efficiency by dense/comm ratio {per_point}; exposed {values['exposed_ms']:.1f} ms on average"
         if variant == "stock":
             notes += f"; T_comm {t_comm:.3g} ms, {scenario}"
+            load = rows.get(("machine", "overlap", "load_average"))
+            if load is not None:
+                notes += f"; load average {load['median']:.1f}"
         summary.append(
             SummaryRow(
                 "overlap",

@@ -60,10 +60,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from _common import (
+    Summary,
     SummaryRow,
     csv_row,
+    dense_layer_backward_s,
     git_sha,
-    median_backward_s,
+    load_average,
     parse_ratios,
     plot_efficiency_curves,
     progress,
@@ -296,8 +298,7 @@ def _run_rank(config: Config) -> list[dict]:
         for _ in range(WARMUP_ALL_TO_ALLS):
             _comm_only()
         t_comm = slowest_rank_median(_comm_only, COMM_CALIBRATION_REPS)
-        layer, x = torch.nn.Linear(HIDDEN, HIDDEN), torch.randn(BATCH, HIDDEN, requires_grad=True)
-        t_layer = agreed_max(median_backward_s(lambda: torch.relu(layer(x)).sum(), config.calibration_reps))
+        t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps))
         traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
         points, timeline = [], None
         for ratio in config.ratios:
@@ -346,7 +347,8 @@ def slowest_rank(results: list[dict]) -> dict:
     return {**first, "points": points}
 
 
-def report(result: dict, link: str, out: str) -> None:
+def report(result: dict, link: str, out: str, load: Summary | None = None) -> None:
+    """Prints the table and writes the CSV; ``load``: the load average while the ranks ran, where known."""
     sha = git_sha()
     print(
         f"\nrecsys_torchrec: DLRM {TABLES} tables x {DIM}d table-wise, {link}; calibration: T_comm "
@@ -387,8 +389,12 @@ def report(result: dict, link: str, out: str) -> None:
             )
         rows.append(csv_row("comm", case, size, "backward_ms", comm, sha))
         print(f"{point['ratio']:5g} {point['dense_layers']:6d} {'comm':<10} {'':<26} {'':>6} {comm!s:<22}")
+    if load is not None:
+        rows.append(csv_row("machine", "recsys", link, "load_average", load, sha))
     write_csv(out, rows)
     print(f"T_comm {all_comm} ms (every point's comm; efficiency = 1 - exposed / its median)")
+    if load is not None:
+        print(f"load average while the ranks ran: {load} (the ranks make ~2; more: other processes on the cores)")
     print(f"wrote {out}")
 
 
@@ -405,9 +411,8 @@ def _config(args: argparse.Namespace) -> Config:
         ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
         reps=args.reps or (5 if args.quick else 20),
         warmup=1 if args.quick else 2,
-        # One dense layer's backward, timed while the other rank times its own on the second core: with 3-5
-        # repetitions the slower rank's median ranged 1.0-2.6 ms between runs (14-35 layers, efficiency
-        # 0.40-0.99); with 9-15 it stayed at 0.96-1.01 ms (31-38 layers, 0.86-0.99).
+        # Calls of the calibration's stack of layers (_common.dense_layer_backward_s), timed while the other rank
+        # times its own on the second core.
         calibration_reps=9 if args.quick else 15,
         timeline_png=timeline_png,
     )
@@ -446,8 +451,9 @@ def main(argv: list[str] | None = None) -> int:
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
     )
     forwarded = sys.argv[1:] if argv is None else list(argv)
-    run = run_on_two_hosts(__file__, forwarded, mode=args.network)
-    report(slowest_rank(run.results), run.network.label, args.out)
+    with load_average() as load:
+        run = run_on_two_hosts(__file__, forwarded, mode=args.network)
+    report(slowest_rank(run.results), run.network.label, args.out, load())
     return 0
 
 
@@ -490,6 +496,9 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
         )
         if variant == "stock":
             notes += f"; T_comm {t_comm:.3g} ms, {scenario}"
+            load = rows.get(("machine", "recsys", "load_average"))
+            if load is not None:
+                notes += f"; load average {load['median']:.1f}"
         summary.append(
             SummaryRow(
                 "recsys_torchrec",
