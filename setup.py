@@ -94,7 +94,10 @@ setup(
     ext_modules=[
         CppExtension(
             "torch_ext._C",
-            sorted(glob.glob(os.path.join("csrc", "*.cpp"))),
+            # csrc/'s folders are its layers: engine/ (the engine core), collectives/ (collective nodes and
+            # their lanes), bindings/ (Python and torch.library). Headers are included by that path.
+            sorted(glob.glob(os.path.join("csrc", "*", "*.cpp"))),
+            include_dirs=[os.path.join(HERE, "csrc")],
             extra_compile_args={"cxx": ["-O2", "-g0"]},
         )
     ],

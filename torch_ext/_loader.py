@@ -24,7 +24,7 @@ def _built_for() -> str | None:
 # where that can be done safely; "off" forces the portable path (torch_ext.current_node_supported()).
 CURRENT_NODE_VARIABLE = "TORCH_EXT_CURRENT_NODE"
 # TORCH_EXT_PLAN_CACHE: "on" (the default) replays a backward plan on later calls of the same graph
-# structure (csrc/plan_cache.h); "off" plans every call afresh.
+# structure (csrc/engine/plan_cache.h); "off" plans every call afresh.
 PLAN_CACHE_VARIABLE = "TORCH_EXT_PLAN_CACHE"
 SWITCH_MODES = ("on", "off")
 

@@ -114,7 +114,7 @@ def _generated_op_role(op: str) -> int:
 
 
 def _builtin_role(node_class: type) -> int:
-    """The engine's question about a node class it meets for the first time (csrc/collective_nodes.cpp)."""
+    """The engine's question about a node class it meets for the first time (csrc/collectives/collective_nodes.cpp)."""
     name = node_class.__name__
     if name.startswith(_GENERATED):
         return _generated_op_role(name[len(_GENERATED) :])

@@ -67,7 +67,7 @@ _MATPLOTLIB_MISSING = (
 
 
 def _events_from_calls(calls: list[tuple]) -> list[dict[str, Any]]:
-    """The recorder's per-call tuples (csrc/python_bindings.cpp, traced_event_tuple) as sorted dicts."""
+    """The recorder's per-call tuples (csrc/bindings/python_bindings.cpp, traced_event_tuple) as sorted dicts."""
     events = []
     for backward_id, thread, call_events in calls:
         for local_index, fields in enumerate(call_events):

@@ -5,8 +5,8 @@
 // nodes must run for grad() / backward(inputs=)), over slot indices instead of
 // Node* hash maps.
 
-#include "collective_nodes.h"
-#include "graph_plan.h"
+#include "collectives/collective_nodes.h"
+#include "engine/graph_plan.h"
 
 #include <algorithm>
 #include <limits>

@@ -1,9 +1,9 @@
 // Plan once, replay after: see plan_cache.h.
 
-#include "plan_cache.h"
+#include "engine/plan_cache.h"
 
-#include "collective_nodes.h"
-#include "schedule_replay.h"
+#include "collectives/collective_nodes.h"
+#include "engine/schedule_replay.h"
 
 #include <algorithm>
 #include <atomic>

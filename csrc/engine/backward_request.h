@@ -8,7 +8,7 @@
 // (THPEngine_run_backward in torch/csrc/autograd/python_engine.cpp), in one
 // place.
 
-#include "engine_api.h"
+#include "engine/engine_api.h"
 
 #include <Python.h>
 

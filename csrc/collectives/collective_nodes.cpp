@@ -1,4 +1,4 @@
-#include "collective_nodes.h"
+#include "collectives/collective_nodes.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_function.h>

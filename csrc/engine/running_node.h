@@ -5,7 +5,7 @@
 // to the engine (BackwardCall::defer_wait_to_first_use, deferred_waits.cpp).
 // The executor (node_executor.cpp) sets it around every node it runs.
 
-#include "backward_call.h"
+#include "engine/backward_call.h"
 
 namespace torch_ext {
 

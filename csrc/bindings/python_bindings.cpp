@@ -5,12 +5,12 @@
 // torch_ext.Engine can stand in for torch.autograd's execution engine; the
 // request builder (backward_request.h) checks them as stock does.
 
-#include "backward_request.h"
-#include "collective_nodes.h"
-#include "python_engine_info.h"
-#include "schedule_replay.h"
-#include "python_split.h"
-#include "trace.h"
+#include "engine/backward_request.h"
+#include "collectives/collective_nodes.h"
+#include "bindings/python_engine_info.h"
+#include "engine/schedule_replay.h"
+#include "bindings/python_split.h"
+#include "engine/trace.h"
 
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <torch/csrc/Exceptions.h>

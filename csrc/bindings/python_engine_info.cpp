@@ -1,10 +1,11 @@
 // torch_ext._C's introspection of the engine: what bit-stable accumulation
 // held, and which current-node path runs. Added to the module by init_engine_info_bindings (python_bindings.cpp).
 
-#include "python_engine_info.h"
+#include "engine/current_node.h"
+#include "bindings/python_engine_info.h"
 
-#include "backward_call.h"
-#include "plan_cache.h"
+#include "engine/backward_call.h"
+#include "engine/plan_cache.h"
 
 #include <torch/csrc/utils/pybind.h>
 

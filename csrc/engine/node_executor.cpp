@@ -4,11 +4,12 @@
 // release_variables -> deliver each output to its next edge's input buffer.
 // (Engine::evaluate_function and call_function in engine.cpp.)
 
-#include "backward_call.h"
-#include "batched_accumulation.h"
-#include "collective_lane.h"
-#include "collective_nodes.h"
-#include "running_node.h"
+#include "engine/needs_input_grad.h"
+#include "engine/backward_call.h"
+#include "engine/batched_accumulation.h"
+#include "collectives/collective_lane.h"
+#include "collectives/collective_nodes.h"
+#include "engine/running_node.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/grad_mode.h>

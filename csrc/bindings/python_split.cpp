@@ -6,11 +6,12 @@
 // reference cycle; dropping the last reference frees what the weight pass
 // would have needed.
 
-#include "python_split.h"
+#include "engine/needs_input_grad.h"
+#include "bindings/python_split.h"
 
-#include "backward_request.h"
-#include "batched_accumulation.h"
-#include "split_backward.h"
+#include "engine/backward_request.h"
+#include "engine/batched_accumulation.h"
+#include "engine/split_backward.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_function.h>

@@ -6,8 +6,8 @@
 // overlaps the communication. Portable: the host task is recognised by its
 // node set, not through the current-node slot (current_node.cpp).
 
-#include "backward_call.h"
-#include "running_node.h"
+#include "engine/backward_call.h"
+#include "engine/running_node.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>

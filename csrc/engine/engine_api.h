@@ -3,7 +3,7 @@
 // The engine's entry point, shared by the torch.library op registrations
 // (ops.cpp) and the Python bindings (python_bindings.cpp).
 
-#include "backward_call.h"
+#include "engine/backward_call.h"
 
 namespace torch_ext {
 

@@ -1,6 +1,6 @@
-#include "schedule_replay.h"
+#include "engine/schedule_replay.h"
 
-#include "scheduler.h"
+#include "engine/scheduler.h"
 
 namespace torch_ext {
 

@@ -7,7 +7,7 @@
 // express (GradientEdge roots, Python callables) go through the Python
 // bindings (python_bindings.cpp) instead.
 
-#include "backward_request.h"
+#include "engine/backward_request.h"
 
 #include <torch/library.h>
 

@@ -1,4 +1,4 @@
-#include "collective_lane.h"
+#include "collectives/collective_lane.h"
 
 #include <chrono>
 

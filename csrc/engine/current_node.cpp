@@ -16,7 +16,8 @@
 // slot: priorities, deferred collective waits and split backward work the
 // same on either path.
 
-#include "backward_call.h"
+#include "engine/current_node.h"
+#include "engine/backward_call.h"
 
 #include <torch/csrc/autograd/function.h>
 

@@ -9,7 +9,8 @@
 // the same thread, while that task is current. See DESIGN.md, "The host-task
 // pattern".
 
-#include "engine_api.h"
+#include "engine/host_task.h"
+#include "engine/engine_api.h"
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/SequenceNumber.h>

@@ -5,10 +5,10 @@
 // backward inside a node, reentrant checkpoint) and calls from other threads
 // never share state.
 
-#include "collective_nodes.h"
-#include "graph_plan.h"
-#include "scheduler.h"
-#include "trace.h"
+#include "collectives/collective_nodes.h"
+#include "engine/graph_plan.h"
+#include "engine/scheduler.h"
+#include "engine/trace.h"
 
 #include <c10/core/AutogradState.h>
 #include <c10/core/Stream.h>
@@ -33,29 +33,6 @@ struct CallOptions {
 
 class AccumulationBatch;
 class CollectiveLanes;
-
-// Custom Python Functions decide what to compute from ctx.needs_input_grad,
-// fixed when their forward ran, where generated nodes ask the graph task.
-// While a plan with narrows_needs_input_grad runs such a node, the bindings
-// narrow needs_input_grad to the gradients the pass computes
-// (task_should_compute_output), so a Function that honours it computes dW in
-// split backward's weight pass only (pytorch#174017). `narrow` returns a
-// token for `restore`, or null if nothing changed.
-struct NeedsInputGradHooks {
-  void* (*narrow)(Node& fn) = nullptr;
-  void (*restore)(Node& fn, void* token) = nullptr;
-};
-void set_needs_input_grad_hooks(NeedsInputGradHooks hooks);
-
-// The thread's "currently evaluating node" slot of stock's NodeGuard, or null
-// when it cannot be located safely (current_node.cpp). `expected_current` is
-// the node the host task made current, used to validate the slot.
-c10::intrusive_ptr<Node>* current_node_slot(Node* expected_current);
-
-// Whether current_node_slot found and validated the slot: unknown until the
-// first torch_ext backward of the process.
-enum class CurrentNodeState { kUnknown, kAvailable, kUnavailable };
-CurrentNodeState current_node_state();
 
 class BackwardCall {
  public:
@@ -376,17 +353,5 @@ struct HeldGradientStats {
   int64_t ordered_calls = 0;
 };
 HeldGradientStats held_gradient_stats(bool reset);
-
-// Runs `call` inside one stock graph task (host_task.cpp). `filtered`: only a
-// subset of nodes runs (the host's exec_info must be non-empty).
-void run_in_host_task(BackwardCall& call, bool keep_graph, bool filtered);
-
-// Registers `plan` with the current (host) graph task, so the parts of
-// PyTorch that read it (task_should_compute_output,
-// _will_engine_execute_node, register_multi_grad_hook) see the real graph:
-// every node reached goes into its nodes_in_graph, and, for a filtered plan,
-// every node that runs or captures into its exec_info. The one place
-// torch_ext writes a GraphTask's internals (host_task.cpp).
-void publish_plan_to_host_task(const GraphPlan& plan);
 
 } // namespace torch_ext

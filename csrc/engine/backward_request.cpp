@@ -1,7 +1,7 @@
 // Roots, root gradients and inputs -> BackwardRequest, with stock's checks in
 // stock's order (THPEngine_run_backward). See backward_request.h.
 
-#include "backward_request.h"
+#include "engine/backward_request.h"
 
 #include <ATen/LegacyBatchedTensorImpl.h>
 #include <ATen/LegacyVmapMode.h>

@@ -10,9 +10,9 @@
 // restores the whole thread-local state before every node, measured at ~38%
 // of its instructions on a chain of tiny ops; see node_executor.cpp.)
 
-#include "priority_table.h"
-#include "scheduler.h"
-#include "trace.h"
+#include "engine/priority_table.h"
+#include "engine/scheduler.h"
+#include "engine/trace.h"
 
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>

@@ -3,12 +3,14 @@
 // in the scheduler's order until none is left. Runs inside the host task's
 // BackwardDriver (host_task.cpp).
 
-#include "backward_call.h"
-#include "batched_accumulation.h"
-#include "collective_lane.h"
-#include "collective_nodes.h"
-#include "plan_cache.h"
-#include "schedule_replay.h"
+#include "engine/current_node.h"
+#include "engine/host_task.h"
+#include "engine/backward_call.h"
+#include "engine/batched_accumulation.h"
+#include "collectives/collective_lane.h"
+#include "collectives/collective_nodes.h"
+#include "engine/plan_cache.h"
+#include "engine/schedule_replay.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/grad_mode.h>

@@ -3,10 +3,11 @@
 // kRunAndKeep, kCaptureAndKeep); the dW plan resumes it (kResumeKept) and
 // runs the weight subgraph. The executor runs both like any plan.
 
-#include "split_backward.h"
-#include "schedule_replay.h"
+#include "engine/host_task.h"
+#include "engine/split_backward.h"
+#include "engine/schedule_replay.h"
 
-#include "batched_accumulation.h"
+#include "engine/batched_accumulation.h"
 
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/engine.h>
