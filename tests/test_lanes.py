@@ -308,3 +308,20 @@ def test_without_a_declaration_nothing_leaves_the_engine_thread():
     x = torch.randn(8, 8, requires_grad=True)
     torch_ext.backward(exchange(x, 0.0).sum())
     assert started == [("lane", threading.get_ident())]
+
+
+def test_the_ddp_scan_passes_over_dead_weak_proxies():
+    # A proxy whose referent is gone raises ReferenceError when asked for its class; such proxies are among the
+    # live objects of a real program (the full suite has them), and the scan met one there.
+    import weakref
+
+    import torch_ext.lanes
+
+    class Referent:
+        pass
+
+    referent = Referent()
+    proxy = weakref.proxy(referent)
+    del referent
+    assert torch_ext.lanes._ddp_modules_reducing_on(GROUP) == []
+    del proxy

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_ext.collectives import _LANE, FunctionClasses, _C, _node_classes
+from torch_ext.collectives import _C, _LANE, FunctionClasses, _node_classes
 
 # Backward node class -> how to find its process group from the node's ctx.
 _GROUP_OF: dict[type, Callable[[Any], Any]] = {}
@@ -82,7 +82,9 @@ def _function_name(ctx: Any) -> str:
 
 def _ddp_modules_reducing_on(group: Any) -> list[torch.nn.Module]:
     ddp = torch.nn.parallel.DistributedDataParallel
-    return [obj for obj in gc.get_objects() if isinstance(obj, ddp) and obj.process_group is group]
+    # issubclass(type(...)), not isinstance: isinstance asks a weak proxy for its __class__, which raises
+    # ReferenceError once its referent is gone, and live objects include such proxies.
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), ddp) and obj.process_group is group]
 
 
 def _lane_group(ctx: Any) -> Any:
