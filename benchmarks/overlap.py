@@ -23,15 +23,19 @@ not timed), the slowest rank's time counting for the step:
                      wait at first use)
   torch_ext(funcol)  PyTorch's functional all_to_all on torch_ext's engine: priority alone, the
                      functional op still waits inside its node
-  compute            the same graph with the all_to_all replaced by a local copy (no communication)
+  compute            the same graph with the all_to_all replaced by a local copy (no communication),
+                     stock engine: the baseline of stock and stock+seq_nr
+  compute(torch_ext) the same on torch_ext's engine: the baseline of torch_ext and torch_ext(funcol)
+                     (torch_ext's engine alone ran this graph's backward 2-7% faster than stock's)
   comm               the backward all_to_all alone (T_comm)
 
 The all_to_all sends ``--payload-mib`` MiB to the other rank. The dense MLP's backward is swept over
 multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script times the all_to_all
 alone and one dense layer's backward (both ranks agree on the larger) and builds the depth that makes
 the dense backward ``ratio`` x T_comm. At each point, per repetition, exposed communication = the
-variant's backward - compute's backward, and overlap efficiency = 1 - exposed / T_comm (T_comm the
-median of the point's comm): 1 when the communication is completely hidden, 0 when it is fully exposed.
+variant's backward - the backward of its engine's compute variant, and overlap efficiency = 1 - exposed /
+T_comm (T_comm the median of every point's comm): 1 when the communication is completely hidden, 0 when it
+is fully exposed.
 Only the dense MLP can hide it (the embedding's backward needs its result), so the ideal is
 min(1, ratio).
 
@@ -124,7 +128,7 @@ COMM_CALIBRATION_REPS = 25
 # _set_sequence_nr boost, as PR #114120 suggests: above every sequence number a forward makes.
 SEQUENCE_NR_BOOST = 2**62
 
-VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)", "compute", "comm")
+VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)", "compute", "compute(torch_ext)", "comm")
 COLLECTIVE_VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)")
 
 
@@ -195,7 +199,13 @@ EXCHANGES = {
     "torch_ext": (_torch_ext_exchange, True),
     "torch_ext(funcol)": (_funcol_exchange, True),
     "compute": (_local_exchange, False),
+    "compute(torch_ext)": (_local_exchange, True),
 }
+
+
+def _baseline(variant: str) -> str:
+    """The compute variant whose backward, on the same engine, is ``variant``'s without communication."""
+    return "compute(torch_ext)" if EXCHANGES[variant][1] else "compute"
 
 
 def _backward(loss: torch.Tensor, on_torch_ext: bool) -> None:
@@ -242,18 +252,32 @@ def _check_same_gradients(model: Model, inputs) -> None:
             raise AssertionError(f"{variant} computed different gradients from stock")
 
 
-def _time_point(model: Model, inputs, dim: int, config: Config) -> dict[str, list[float]]:
-    """Every variant's backward seconds at one sweep point, ``config.reps`` of each after the warm-up."""
+def _time_point(model: Model, inputs, dim: int, config: Config) -> dict[str, dict[str, list[float]]]:
+    """Backward seconds at one sweep point, ``config.reps`` repetitions after the warm-up: ``times``, every run of
+    each variant; ``baselines``, for each collective variant, the run of its compute baseline paired with each of
+    its runs.
+
+    Each collective variant runs right beside its own baseline (which first alternates between repetitions), so
+    that the pair sees the same moment of the machine's load: on these shared cores two neighbouring backward calls
+    differed by 5.0 ms (half the interquartile range of the differences, 45 dense layers, load average 3.9), two
+    calls 40 apart by 7.2. The variants' order rotates between repetitions, so drift spreads evenly over them.
+    """
     times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    baselines: dict[str, list[float]] = {variant: [] for variant in COLLECTIVE_VARIANTS}
     for rep in range(config.warmup + config.reps):
-        # Alternate the variants within each repetition, rotating which goes first, so drift
-        # in the machine's load spreads evenly over them.
-        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
-        for variant in order:
-            elapsed = _step(model, inputs, variant, dim)
+        shift = rep % len(COLLECTIVE_VARIANTS)
+        for variant in COLLECTIVE_VARIANTS[shift:] + COLLECTIVE_VARIANTS[:shift]:
+            baseline = _baseline(variant)
+            pair = (baseline, variant) if rep % 2 == 0 else (variant, baseline)
+            elapsed = {name: _step(model, inputs, name, dim) for name in pair}
             if rep >= config.warmup:
-                times[variant].append(elapsed)
-    return times
+                for name in pair:
+                    times[name].append(elapsed[name])
+                baselines[variant].append(elapsed[baseline])
+        comm = _step(model, inputs, "comm", dim)
+        if rep >= config.warmup:
+            times["comm"].append(comm)
+    return {"times": times, "baselines": baselines}
 
 
 def _run_rank(config: Config) -> list[dict]:
@@ -279,8 +303,7 @@ def _run_rank(config: Config) -> list[dict]:
             model = Model(dim, dense_layers)
             inputs = (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))
             _check_same_gradients(model, inputs)
-            times = _time_point(model, inputs, dim, config)
-            points.append({"ratio": ratio, "dense_layers": dense_layers, "times": times})
+            points.append({"ratio": ratio, "dense_layers": dense_layers, **_time_point(model, inputs, dim, config)})
             if config.timeline_png is not None and ratio == traced_ratio and timelines is None:
                 timelines = (_traced_timelines(model, inputs), dense_layers)
         held = torch_ext._C._held_gradient_stats(True)
@@ -305,13 +328,18 @@ def _run_rank(config: Config) -> list[dict]:
 
 
 def slowest_rank(results: list[dict]) -> dict:
-    """The ranks' results as one: each repetition's step takes as long as its slowest rank."""
+    """The ranks' results as one: each run takes as long as its slowest rank (the ranks run each together)."""
     first = results[0]
     points = []
     for index, point in enumerate(first["points"]):
-        per_rank = [result["points"][index]["times"] for result in results]
-        times = {variant: [max(samples) for samples in zip(*(t[variant] for t in per_rank))] for variant in VARIANTS}
-        points.append({**point, "times": times})
+        merged = {}
+        for key in ("times", "baselines"):
+            per_rank = [result["points"][index][key] for result in results]
+            merged[key] = {
+                name: [max(samples) for samples in zip(*(runs[name] for runs in per_rank), strict=True)]
+                for name in per_rank[0]
+            }
+        points.append({**point, **merged})
     return {**first, "points": points}
 
 
@@ -497,8 +525,8 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
             rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
             exposed_text = efficiency_text = ideal_text = ""
             if variant in COLLECTIVE_VARIANTS:
-                # Per repetition: the same repetition's compute-only backward is the baseline.
-                exposed = [b - c for b, c in zip(times[variant], times["compute"], strict=True)]
+                # Per run: the compute-only backward on the same engine run beside it is the baseline.
+                exposed = [b - c for b, c in zip(times[variant], point["baselines"][variant], strict=True)]
                 exposed_ms = summarize([e * 1e3 for e in exposed])
                 efficiency = summarize([1 - e / t_comm for e in exposed])
                 rows.append(csv_row(variant, case, size, "exposed_ms", exposed_ms, sha))

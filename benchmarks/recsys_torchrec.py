@@ -409,7 +409,7 @@ def _config(args: argparse.Namespace) -> Config:
             timeline_png = os.path.abspath(args.timeline)
     return Config(
         ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
-        reps=args.reps or (5 if args.quick else 20),
+        reps=args.reps or (7 if args.quick else 20),
         warmup=1 if args.quick else 2,
         # Calls of the calibration's stack of layers (_common.dense_layer_backward_s), timed while the other rank
         # times its own on the second core.
