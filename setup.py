@@ -35,6 +35,9 @@ CLIENT_LIBRARIES = ["megatron-core==0.16.1", "deepspeed==0.19.8", "transformers=
 # The documentation (docs/, built by .ci/run with warnings as errors): Sphinx, and myst-parser for the guides in
 # Markdown. Pinned together: myst-parser 5.2 supports Sphinx 8-9; both install on Python 3.11.
 DOCS_REQUIREMENTS = ["sphinx==9.0.4", "myst-parser==5.2.0"]
+# Lint, run by .ci/run: ruff (check and format; config in pyproject.toml) and clang-format (.clang-format). Pinned:
+# a new release's rules or formatting would fail CI on code that did not change.
+LINT_REQUIREMENTS = ["ruff==0.17.5", "clang-format==23.1.3"]
 
 
 class BuildWithInfo(BuildExtension):
@@ -83,8 +86,9 @@ setup(
             "tqdm",
             *TORCHREC_DEPENDENCIES,
             *CLIENT_LIBRARIES,
-            # .ci/run builds the docs after the tests, from the README's install command.
+            # .ci/run builds the docs after the tests, from the README's install command, and lints.
             *DOCS_REQUIREMENTS,
+            *LINT_REQUIREMENTS,
         ],
         "docs": DOCS_REQUIREMENTS,
         # `python -m torch_ext bench`: its plots and progress bar (without them it prints lines and no plots).

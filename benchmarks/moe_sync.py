@@ -7,6 +7,7 @@ capacity, combined back) beside a dense path, for each library:
 
   compute    stock's backward of the same layer with the all_to_all replaced by the identity (no communication)
   stock      the backward on PyTorch's engine: dense path first, then the all_to_all
+  torch_ext  torch_ext with the _AllToAll undeclared, as a new user gets it: stock's order on its engine
   priority   torch_ext with the _AllToAll registered as a launch (torch_ext.register_collective_backward): the
              all_to_all first, still blocking the engine
   lane       torch_ext with torch_ext.run_in_lane(_AllToAll): the all_to_all dispatched first to its group's
@@ -65,7 +66,7 @@ RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
 QUICK_RATIOS = (0.5, 1.0, 2.0)
 # Untimed all_to_alls before calibrating: the first ones of a process are slower.
 WARMUP_ALL_TO_ALLS = 3
-ENGINE_VARIANTS = ("stock", "priority", "lane", "checked")
+ENGINE_VARIANTS = ("stock", "torch_ext", "priority", "lane", "checked")
 TIMED_VARIANTS = ("compute", *ENGINE_VARIANTS)
 LIBRARIES = ("megatron", "deepspeed")
 LIBRARY_NAMES = {"megatron": "Megatron-core", "deepspeed": "DeepSpeed"}
@@ -119,6 +120,10 @@ def variant_engine(variant: str, function: type):
     """The engine and declaration of ``variant``; the _AllToAll is back to undeclared afterwards."""
     if variant in ("stock", "compute"):
         yield
+        return
+    if variant == "torch_ext":
+        with torch_ext.enabled():
+            yield
         return
     if variant == "priority":
         torch_ext.register_collective_backward(launches=function)
@@ -186,9 +191,7 @@ def _calibrate(calibration_reps: int) -> tuple[float, float]:
     return t_comm, t_layer
 
 
-def _run_library(
-    library: str, ratios: Sequence[float], reps: int, warmup: int, t_comm: float, t_layer: float
-) -> dict:
+def _run_library(library: str, ratios: Sequence[float], reps: int, warmup: int, t_comm: float, t_layer: float) -> dict:
     rank = dist.get_rank()
     all_to_all, function = library_all_to_all(library)
     tokens = torch.randn(WORLD_SIZE * CAPACITY, DIM)
@@ -245,7 +248,7 @@ def report(results: list[dict], link: str, out: str) -> None:
         )
         for index, point in enumerate(calibration["points"]):
 
-            def slowest(variant: str, metric: str, index=index) -> list[float]:
+            def slowest(variant: str, metric: str, index=index, library=library) -> list[float]:
                 per_rank = [r[library]["points"][index]["samples"][variant][metric] for r in results]
                 return [max(times) for times in zip(*per_rank, strict=True)]
 

@@ -81,7 +81,9 @@ def test_torchrec_comm_ops_roles():
     assert list(expected.values()).count("wait") == 8, expected
 
 
-@pytest.mark.parametrize("module", ["megatron.core.tensor_parallel.mappings", "deepspeed.moe.sharded_moe", "my_library.moe"])
+@pytest.mark.parametrize(
+    "module", ["megatron.core.tensor_parallel.mappings", "deepspeed.moe.sharded_moe", "my_library.moe"]
+)
 def test_a_synchronous_all_to_all_keeps_stock_order_until_declared_to_a_lane(module):
     # A stand-in with the library's module and name: the rule reads nothing else of the class. Megatron's and
     # DeepSpeed's block in their node, so priority alone would gain nothing: no built-in role.

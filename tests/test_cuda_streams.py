@@ -553,11 +553,13 @@ def test_checkpointed_segment_on_side_stream(use_reentrant):
         assert log and all(bwd == side for _, bwd in log), engine
 
 
+# The streams _SideStreamExchange's backward ran on.
+_side_stream_exchange_streams: list = []
+
+
 class _SideStreamExchange(Function):
     """A synchronous collective's stand-in on CUDA: backward keeps its stream busy (as NCCL's all_to_all makes
     the issuing stream wait for the transfer), then writes; it records the stream it ran on."""
-
-    streams: list[torch.cuda.Stream] = []
 
     @staticmethod
     def forward(ctx, x, group):
@@ -566,7 +568,7 @@ class _SideStreamExchange(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _SideStreamExchange.streams.append(torch.cuda.current_stream())
+        _side_stream_exchange_streams.append(torch.cuda.current_stream())
         torch.cuda._sleep(int(DELAY_MS * 1e6))  # ~DELAY_MS at 1 GHz
         return grad * 2, None
 
@@ -586,10 +588,10 @@ def test_lane_node_runs_on_a_side_stream_and_its_readers_wait_for_it():
         dense = x
         for _ in range(4):
             dense = dense * w + 1
-        engine_backward((moe.sum() + dense.sum()))
+        engine_backward(moe.sum() + dense.sum())
         return x.grad.clone(), w.grad.clone()
 
-    _SideStreamExchange.streams.clear()
+    _side_stream_exchange_streams.clear()
     expected = run(torch.autograd.backward)
     torch_ext.run_in_lane(_SideStreamExchange)
     try:
@@ -598,5 +600,5 @@ def test_lane_node_runs_on_a_side_stream_and_its_readers_wait_for_it():
         torch_ext.unregister_collective_backward(_SideStreamExchange)
     torch.cuda.synchronize()
     assert all(tensors_identical(a, e) for a, e in zip(actual, expected, strict=True))
-    stock_stream, lane_stream = _SideStreamExchange.streams
+    stock_stream, lane_stream = _side_stream_exchange_streams
     assert lane_stream != stock_stream

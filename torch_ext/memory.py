@@ -78,6 +78,7 @@ def _all_events(roots) -> list:
 def _region_peak_bytes(profiler: profile, region_name: str) -> int:
     events = _all_events(profiler.profiler.kineto_results.experimental_event_tree())
     (region,) = [event for event in events if event.name == region_name]
+
     # The region's own thread's allocations are its descendants in the tree, whatever their timestamps say: a
     # test's one allocation inside a region was once left out, its timestamp read just outside the region's span
     # (the region read 0 bytes, on a loaded machine). Other threads' are found by their timestamps.

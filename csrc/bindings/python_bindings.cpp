@@ -5,11 +5,11 @@
 // torch_ext.Engine can stand in for torch.autograd's execution engine; the
 // request builder (backward_request.h) checks them as stock does.
 
-#include "engine/backward_request.h"
-#include "collectives/collective_nodes.h"
 #include "bindings/python_engine_info.h"
-#include "engine/schedule_replay.h"
 #include "bindings/python_split.h"
+#include "collectives/collective_nodes.h"
+#include "engine/backward_request.h"
+#include "engine/schedule_replay.h"
 #include "engine/trace.h"
 
 #include <ATen/ThreadLocalPythonObjects.h>
@@ -48,7 +48,14 @@ PyObject* py_execution_order(PyObject* /*module*/, PyObject* args) {
   PyObject* roots = nullptr;
   PyObject* inputs = nullptr;
   PyObject* priorities = nullptr;
-  if (!PyArg_ParseTuple(args, "O!O!O", &PyTuple_Type, &roots, &PyTuple_Type, &inputs, &priorities)) {
+  if (!PyArg_ParseTuple(
+          args,
+          "O!O!O",
+          &PyTuple_Type,
+          &roots,
+          &PyTuple_Type,
+          &inputs,
+          &priorities)) {
     return nullptr;
   }
   const edge_list root_edges = gradient_edges_from_python(roots);
@@ -57,7 +64,8 @@ PyObject* py_execution_order(PyObject* /*module*/, PyObject* args) {
   std::vector<Node*> order;
   {
     pybind11::gil_scoped_release no_gil;
-    order = planned_execution_order(root_edges, input_edges, std::move(overrides));
+    order =
+        planned_execution_order(root_edges, input_edges, std::move(overrides));
   }
   return nodes_to_list(order);
   END_HANDLE_TH_ERRORS
@@ -66,7 +74,9 @@ PyObject* py_execution_order(PyObject* /*module*/, PyObject* args) {
 // _current_execution_order() -> [Node] or None: the order of the torch_ext
 // call whose node runs on this thread, with stock's check of
 // get_current_graph_task_execution_order.
-PyObject* py_current_execution_order(PyObject* /*module*/, PyObject* /*unused*/) {
+PyObject* py_current_execution_order(
+    PyObject* /*module*/,
+    PyObject* /*unused*/) {
   HANDLE_TH_ERRORS
   const BackwardCall* call = BackwardCall::running_call();
   if (call == nullptr) {
@@ -82,7 +92,10 @@ PyObject* py_current_execution_order(PyObject* /*module*/, PyObject* /*unused*/)
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* py_run_backward(PyObject* /*module*/, PyObject* args, PyObject* kwargs) {
+PyObject* py_run_backward(
+    PyObject* /*module*/,
+    PyObject* args,
+    PyObject* kwargs) {
   HANDLE_TH_ERRORS
   PyObject* tensors = nullptr;
   PyObject* grad_tensors = nullptr;
@@ -147,7 +160,8 @@ class StashedContext {
     }
     // SafePyObject takes over the new reference.
     at::impl::ThreadLocalPythonObjects::set(
-        kKey, std::make_shared<c10::SafePyObject>(context, getPyInterpreter()));
+        kKey,
+        std::make_shared<c10::SafePyObject>(context, getPyInterpreter()));
   }
   ~StashedContext() {
     at::impl::ThreadLocalPythonObjects::erase(kKey);
@@ -333,7 +347,9 @@ PyObject* py_defer_wait(PyObject* /*module*/, PyObject* tensor) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* py_set_auto_collective_priority(PyObject* /*module*/, PyObject* enabled) {
+PyObject* py_set_auto_collective_priority(
+    PyObject* /*module*/,
+    PyObject* enabled) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(
       PyBool_Check(enabled),
@@ -344,7 +360,9 @@ PyObject* py_set_auto_collective_priority(PyObject* /*module*/, PyObject* enable
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* py_auto_collective_priority(PyObject* /*module*/, PyObject* /*unused*/) {
+PyObject* py_auto_collective_priority(
+    PyObject* /*module*/,
+    PyObject* /*unused*/) {
   return PyBool_FromLong(auto_collective_priority());
 }
 
@@ -364,8 +382,10 @@ PyObject* py_remember_python_node_type(PyObject* /*module*/, PyObject* node) {
 // Copies a node's forward stack (and parent chain) for anomaly mode's report.
 void copy_anomaly_metadata(Node& from, Node& to) {
   pybind11::gil_scoped_acquire gil;
-  auto* source = static_cast<torch::autograd::PyAnomalyMetadata*>(from.metadata());
-  auto* target = static_cast<torch::autograd::PyAnomalyMetadata*>(to.metadata());
+  auto* source =
+      static_cast<torch::autograd::PyAnomalyMetadata*>(from.metadata());
+  auto* target =
+      static_cast<torch::autograd::PyAnomalyMetadata*>(to.metadata());
   PyDict_Clear(target->dict());
   if (PyDict_Update(target->dict(), source->dict()) < 0) {
     PyErr_Clear();
@@ -374,7 +394,8 @@ void copy_anomaly_metadata(Node& from, Node& to) {
 
 PyMethodDef methods[] = {
     {"run_backward",
-     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_run_backward)),
+     reinterpret_cast<PyCFunction>(
+         reinterpret_cast<void (*)()>(py_run_backward)),
      METH_VARARGS | METH_KEYWORDS,
      "run_backward(tensors, grad_tensors, keep_graph, create_graph, inputs=None, "
      "allow_unreachable=False, accumulate_grad=False, priorities=None): "

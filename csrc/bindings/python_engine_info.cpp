@@ -1,8 +1,9 @@
 // torch_ext._C's introspection of the engine: what bit-stable accumulation
-// held, and which current-node path runs. Added to the module by init_engine_info_bindings (python_bindings.cpp).
+// held, and which current-node path runs. Added to the module by
+// init_engine_info_bindings (python_bindings.cpp).
 
-#include "engine/current_node.h"
 #include "bindings/python_engine_info.h"
+#include "engine/current_node.h"
 
 #include "engine/backward_call.h"
 #include "engine/plan_cache.h"

@@ -6,8 +6,8 @@
 // reference cycle; dropping the last reference frees what the weight pass
 // would have needed.
 
-#include "engine/needs_input_grad.h"
 #include "bindings/python_split.h"
+#include "engine/needs_input_grad.h"
 
 #include "engine/backward_request.h"
 #include "engine/batched_accumulation.h"
@@ -17,9 +17,9 @@
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils.h>
-#include <torch/csrc/utils/python_strings.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/utils/python_numbers.h>
+#include <torch/csrc/utils/python_strings.h>
 
 #include <new>
 
@@ -43,7 +43,8 @@ PyObject* split_state_repr(PyObject* self) {
   const auto& state = reinterpret_cast<PySplitState*>(self)->state;
   const std::string repr = "<torch_ext SplitState: " + describe(*state) + ">";
   return PyUnicode_FromStringAndSize(
-      repr.data(), static_cast<Py_ssize_t>(repr.size()));
+      repr.data(),
+      static_cast<Py_ssize_t>(repr.size()));
   END_HANDLE_TH_ERRORS
 }
 
@@ -155,7 +156,8 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
       allow_unused != 0,
       /*priorities=*/nullptr);
   TORCH_CHECK(
-      !request.roots.empty(), "backward_input: outputs cannot be empty");
+      !request.roots.empty(),
+      "backward_input: outputs cannot be empty");
   TORCH_CHECK_TYPE(
       PyTuple_Check(weights),
       "backward_input: weights must be a tuple, but got ",
@@ -236,15 +238,18 @@ PyObject* py_backward_weight(PyObject* /*module*/, PyObject* args) {
 
 namespace {
 
-constexpr std::pair<const char*, WeightAccumulationBatching> kBatchingModes[] = {
-    {"off", WeightAccumulationBatching::kOff},
-    {"accelerator", WeightAccumulationBatching::kAccelerator},
-    {"always", WeightAccumulationBatching::kAlways},
+constexpr std::pair<const char*, WeightAccumulationBatching> kBatchingModes[] =
+    {
+        {"off", WeightAccumulationBatching::kOff},
+        {"accelerator", WeightAccumulationBatching::kAccelerator},
+        {"always", WeightAccumulationBatching::kAlways},
 };
 
 } // namespace
 
-PyObject* py_set_weight_accumulation_batching(PyObject* /*module*/, PyObject* mode) {
+PyObject* py_set_weight_accumulation_batching(
+    PyObject* /*module*/,
+    PyObject* mode) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(
       PyUnicode_Check(mode),
@@ -266,7 +271,9 @@ PyObject* py_set_weight_accumulation_batching(PyObject* /*module*/, PyObject* mo
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* py_weight_accumulation_batching(PyObject* /*module*/, PyObject* /*unused*/) {
+PyObject* py_weight_accumulation_batching(
+    PyObject* /*module*/,
+    PyObject* /*unused*/) {
   HANDLE_TH_ERRORS
   const auto current = weight_accumulation_batching();
   for (const auto& [mode_name, value] : kBatchingModes) {
@@ -278,7 +285,9 @@ PyObject* py_weight_accumulation_batching(PyObject* /*module*/, PyObject* /*unus
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* py_set_max_batched_gradient_bytes(PyObject* /*module*/, PyObject* bytes) {
+PyObject* py_set_max_batched_gradient_bytes(
+    PyObject* /*module*/,
+    PyObject* bytes) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(
       THPUtils_checkLong(bytes),
@@ -286,7 +295,8 @@ PyObject* py_set_max_batched_gradient_bytes(PyObject* /*module*/, PyObject* byte
       Py_TYPE(bytes)->tp_name);
   const int64_t value = THPUtils_unpackLong(bytes);
   TORCH_CHECK_VALUE(
-      value >= 0, "_set_max_batched_gradient_bytes: bytes must be >= 0");
+      value >= 0,
+      "_set_max_batched_gradient_bytes: bytes must be >= 0");
   return THPUtils_packUInt64(
       set_max_batched_gradient_bytes(static_cast<size_t>(value)));
   END_HANDLE_TH_ERRORS

@@ -21,17 +21,23 @@ void CollectiveLanes::dispatch(
   }
   ++in_flight_;
   if (lanes_.find(group) == lanes_.end()) {
-    lanes_.emplace(group, std::thread(&CollectiveLanes::lane_main, shared_, group));
+    lanes_.emplace(
+        group,
+        std::thread(&CollectiveLanes::lane_main, shared_, group));
   } else {
     shared_->work_cv.notify_all();
   }
 }
 
-void CollectiveLanes::lane_main(std::shared_ptr<Shared> shared, uintptr_t group) {
+void CollectiveLanes::lane_main(
+    std::shared_ptr<Shared> shared,
+    uintptr_t group) {
   std::unique_lock<std::mutex> lock(shared->mutex);
   std::deque<Work>& queue = shared->queues[group];
   while (true) {
-    shared->work_cv.wait(lock, [&] { return shared->stopping || !queue.empty(); });
+    shared->work_cv.wait(lock, [&] {
+      return shared->stopping || !queue.empty();
+    });
     if (shared->stopping) {
       return;
     }
@@ -61,11 +67,13 @@ std::vector<CollectiveLanes::Finished> CollectiveLanes::take_finished(
   {
     std::unique_lock<std::mutex> lock(shared_->mutex);
     while (block && shared_->finished.empty()) {
-      TORCH_INTERNAL_ASSERT(in_flight_ > 0, "waiting on an idle collective lane");
+      TORCH_INTERNAL_ASSERT(
+          in_flight_ > 0,
+          "waiting on an idle collective lane");
       if (shared_->finished_cv.wait_for(
-              lock, std::chrono::milliseconds(kInterruptPollMs), [&] {
-                return !shared_->finished.empty();
-              })) {
+              lock,
+              std::chrono::milliseconds(kInterruptPollMs),
+              [&] { return !shared_->finished.empty(); })) {
         break;
       }
       lock.unlock();

@@ -60,7 +60,9 @@ class RoleTable {
  public:
   explicit RoleTable(size_t capacity)
       : mask_(capacity - 1), slots_(new std::atomic<uintptr_t>[capacity]) {
-    TORCH_INTERNAL_ASSERT((capacity & mask_) == 0, "capacity must be a power of two");
+    TORCH_INTERNAL_ASSERT(
+        (capacity & mask_) == 0,
+        "capacity must be a power of two");
     for (size_t i = 0; i < capacity; ++i) {
       slots_[i].store(kEmpty, std::memory_order_relaxed);
     }
@@ -112,7 +114,9 @@ class RoleTable {
     for (size_t i = 0; i <= mask_; ++i) {
       const uintptr_t entry = slots_[i].load(std::memory_order_relaxed);
       if (entry != kEmpty && entry != kRemoved) {
-        visit(entry & kAddressBits, static_cast<CollectiveRole>(entry & kRoleBits));
+        visit(
+            entry & kAddressBits,
+            static_cast<CollectiveRole>(entry & kRoleBits));
       }
     }
   }
@@ -120,7 +124,8 @@ class RoleTable {
  private:
   size_t home(uintptr_t key) const {
     // Fibonacci hashing; the low 4 bits of an allocation carry nothing.
-    return static_cast<size_t>(((key >> 4) * 0x9E3779B97F4A7C15ull) >> 32) & mask_;
+    return static_cast<size_t>(((key >> 4) * 0x9E3779B97F4A7C15ull) >> 32) &
+        mask_;
   }
 
   size_t mask_;
@@ -142,12 +147,17 @@ class RoleCache {
   // role is returned. `weakref` (a new reference, to the class) is kept for a
   // new entry and handed back otherwise, to be released by the caller
   // outside the lock.
-  CollectiveRole store(uintptr_t key, CollectiveRole role, bool overwrite, THPObjectPtr& weakref) {
+  CollectiveRole store(
+      uintptr_t key,
+      CollectiveRole role,
+      bool overwrite,
+      THPObjectPtr& weakref) {
     std::lock_guard<std::mutex> lock(writer_mutex_);
     RoleTable* table = current_.load(std::memory_order_relaxed);
     if (std::atomic<uintptr_t>* slot = table->slot_of(key)) {
       if (!overwrite) {
-        return static_cast<CollectiveRole>(slot->load(std::memory_order_relaxed) & kRoleBits);
+        return static_cast<CollectiveRole>(
+            slot->load(std::memory_order_relaxed) & kRoleBits);
       }
       slot->store(entry_of(key, role), std::memory_order_release);
       return role;
@@ -233,15 +243,22 @@ std::atomic<bool> collective_check_on{false};
 
 uintptr_t key_of(PyTypeObject* node_class) {
   const auto key = reinterpret_cast<uintptr_t>(node_class);
-  TORCH_INTERNAL_ASSERT((key & ~kAddressBits) == 0, "a type object is not 8-byte aligned");
+  TORCH_INTERNAL_ASSERT(
+      (key & ~kAddressBits) == 0,
+      "a type object is not 8-byte aligned");
   return key;
 }
 
 // With the GIL. Records `node_class`'s role (see RoleCache::store).
-CollectiveRole remember_role(PyTypeObject* node_class, CollectiveRole role, bool overwrite) {
+CollectiveRole remember_role(
+    PyTypeObject* node_class,
+    CollectiveRole role,
+    bool overwrite) {
   // Made before the cache is locked: allocating may collect garbage and so
   // run finalizers, including forget_dead_class, which locks it.
-  THPObjectPtr weakref(PyWeakref_NewRef(reinterpret_cast<PyObject*>(node_class), forget_callback));
+  THPObjectPtr weakref(PyWeakref_NewRef(
+      reinterpret_cast<PyObject*>(node_class),
+      forget_callback));
   if (!weakref) {
     throw python_error();
   }
@@ -267,7 +284,9 @@ CollectiveRole decide_role(PyTypeObject* node_class) {
     // torch_ext.collectives not imported yet: decide again next time.
     return CollectiveRole::kNone;
   }
-  THPObjectPtr decided(PyObject_CallOneArg(role_decider, reinterpret_cast<PyObject*>(node_class)));
+  THPObjectPtr decided(PyObject_CallOneArg(
+      role_decider,
+      reinterpret_cast<PyObject*>(node_class)));
   if (!decided) {
     throw python_error();
   }
@@ -295,9 +314,12 @@ PyMethodDef forget_dead_class_def = {
 PyTypeObject* checked_node_class(PyObject* obj) {
   TORCH_CHECK_TYPE(
       PyType_Check(obj) &&
-          PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(obj), &THPFunctionType),
+          PyType_IsSubtype(
+              reinterpret_cast<PyTypeObject*>(obj),
+              &THPFunctionType),
       "expected the backward node class of an autograd.Function (Function._backward_cls), got ",
-      PyType_Check(obj) ? reinterpret_cast<PyTypeObject*>(obj)->tp_name : Py_TYPE(obj)->tp_name);
+      PyType_Check(obj) ? reinterpret_cast<PyTypeObject*>(obj)->tp_name
+                        : Py_TYPE(obj)->tp_name);
   return reinterpret_cast<PyTypeObject*>(obj);
 }
 
@@ -308,14 +330,21 @@ PyObject* py_set_collective_role(PyObject* /*module*/, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Ol", &node_class, &role)) {
     return nullptr;
   }
-  remember_role(checked_node_class(node_class), role_from_int(role), /*overwrite=*/true);
+  remember_role(
+      checked_node_class(node_class),
+      role_from_int(role),
+      /*overwrite=*/true);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* py_set_collective_role_decider(PyObject* /*module*/, PyObject* decider) {
+PyObject* py_set_collective_role_decider(
+    PyObject* /*module*/,
+    PyObject* decider) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(PyCallable_Check(decider), "the role decider must be callable");
+  TORCH_CHECK_TYPE(
+      PyCallable_Check(decider),
+      "the role decider must be callable");
   Py_INCREF(decider);
   Py_XSETREF(role_decider, decider);
   Py_RETURN_NONE;
@@ -333,7 +362,8 @@ CollectiveRole role_of_class(PyTypeObject* node_class) {
 PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
   HANDLE_TH_ERRORS
   if (PyType_Check(node_or_class)) {
-    return PyLong_FromLong(static_cast<long>(role_of_class(checked_node_class(node_or_class))));
+    return PyLong_FromLong(
+        static_cast<long>(role_of_class(checked_node_class(node_or_class))));
   }
   TORCH_CHECK_TYPE(
       THPFunction_Check(node_or_class),
@@ -351,7 +381,9 @@ PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
 
 PyObject* py_set_lane_group_resolver(PyObject* /*module*/, PyObject* resolver) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(PyCallable_Check(resolver), "the lane group resolver must be callable");
+  TORCH_CHECK_TYPE(
+      PyCallable_Check(resolver),
+      "the lane group resolver must be callable");
   Py_INCREF(resolver);
   Py_XSETREF(lane_group_resolver, resolver);
   Py_RETURN_NONE;
@@ -375,7 +407,9 @@ PyObject* py_set_collective_checker(PyObject* /*module*/, PyObject* checker) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* py_collective_role_cache_size(PyObject* /*module*/, PyObject* /*unused*/) {
+PyObject* py_collective_role_cache_size(
+    PyObject* /*module*/,
+    PyObject* /*unused*/) {
   return PyLong_FromSize_t(role_cache().size());
 }
 
@@ -415,7 +449,8 @@ PyMethodDef collective_methods[] = {
 } // namespace
 
 CollectiveRole collective_role(const torch::autograd::Node& fn) {
-  const std::type_info* python_node = python_node_type.load(std::memory_order_relaxed);
+  const std::type_info* python_node =
+      python_node_type.load(std::memory_order_relaxed);
   // Address comparison: the one type_info object of PyNode lives in
   // libtorch_python (this library cannot even name it), while
   // type_info::operator== falls back to strcmp on the mangled names, which
@@ -438,12 +473,15 @@ bool defers_its_wait(const torch::autograd::Node& fn) {
   const PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
   constexpr std::string_view kOwnOps = "GeneratedBackwardFor_torch_ext_";
   return obj != nullptr &&
-      std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) == kOwnOps;
+      std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) ==
+      kOwnOps;
 }
 
 uintptr_t lane_group_key(const torch::autograd::Node& fn) {
   pybind11::gil_scoped_acquire gil;
-  TORCH_INTERNAL_ASSERT(lane_group_resolver != nullptr, "torch_ext.lanes is not imported");
+  TORCH_INTERNAL_ASSERT(
+      lane_group_resolver != nullptr,
+      "torch_ext.lanes is not imported");
   PyObject* ctx = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
   TORCH_INTERNAL_ASSERT(ctx != nullptr);
   THPObjectPtr group(PyObject_CallOneArg(lane_group_resolver, ctx));
@@ -459,12 +497,19 @@ bool collective_check_enabled() {
 }
 
 namespace {
-void call_collective_checker(PyObject* node, int32_t position, PyObject* inputs) {
+void call_collective_checker(
+    PyObject* node,
+    int32_t position,
+    PyObject* inputs) {
   if (collective_checker == nullptr) {
     return; // switched off since the call started
   }
   THPObjectPtr checked(PyObject_CallFunction(
-      collective_checker, "OiO", node, static_cast<int>(position), inputs));
+      collective_checker,
+      "OiO",
+      node,
+      static_cast<int>(position),
+      inputs));
   if (!checked) {
     throw python_error();
   }
@@ -478,16 +523,20 @@ void check_collective(
   pybind11::gil_scoped_acquire gil;
   // Collective nodes are Python Functions' (collective_role); another node
   // would be named by its name() alone.
-  PyObject* ctx = &typeid(fn) == python_node_type.load(std::memory_order_relaxed)
+  PyObject* ctx =
+      &typeid(fn) == python_node_type.load(std::memory_order_relaxed)
       ? static_cast<const torch::autograd::PyNode&>(fn).pyobj()
       : nullptr;
-  THPObjectPtr node(ctx != nullptr ? Py_NewRef(ctx) : PyUnicode_FromString(fn.name().c_str()));
+  THPObjectPtr node(
+      ctx != nullptr ? Py_NewRef(ctx)
+                     : PyUnicode_FromString(fn.name().c_str()));
   THPObjectPtr gradients(PyList_New(static_cast<Py_ssize_t>(inputs.size())));
   if (!node || !gradients) {
     throw python_error();
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
-    PyObject* gradient = inputs[i].defined() ? THPVariable_Wrap(inputs[i]) : Py_NewRef(Py_None);
+    PyObject* gradient =
+        inputs[i].defined() ? THPVariable_Wrap(inputs[i]) : Py_NewRef(Py_None);
     if (gradient == nullptr) {
       throw python_error();
     }
@@ -511,7 +560,8 @@ void raise_if_interrupted() {
 std::exception_ptr name_lane_node_in_error(
     std::exception_ptr error,
     const torch::autograd::Node& fn) {
-  const std::string where = "raised by " + fn.name() + " in its torch_ext collective lane";
+  const std::string where =
+      "raised by " + fn.name() + " in its torch_ext collective lane";
   try {
     std::rethrow_exception(error);
   } catch (python_error& e) {
@@ -519,7 +569,8 @@ std::exception_ptr name_lane_node_in_error(
     if (e.value != nullptr) {
       THPObjectPtr note(PyUnicode_FromString(where.c_str()));
       THPObjectPtr added(
-          note ? PyObject_CallMethod(e.value, "add_note", "O", note.get()) : nullptr);
+          note ? PyObject_CallMethod(e.value, "add_note", "O", note.get())
+               : nullptr);
       if (!added) {
         PyErr_Clear(); // the node's own error matters more than the note
       }
@@ -549,7 +600,8 @@ bool auto_collective_priority() {
 
 bool init_collective_bindings(PyObject* module) {
   forget_callback = PyCFunction_New(&forget_dead_class_def, nullptr);
-  return forget_callback != nullptr && PyModule_AddFunctions(module, collective_methods) == 0;
+  return forget_callback != nullptr &&
+      PyModule_AddFunctions(module, collective_methods) == 0;
 }
 
 } // namespace torch_ext

@@ -154,7 +154,6 @@ std::optional<GraphEndpoint> endpoint_of(PyObject* obj) {
   return Edge(std::move(node), static_cast<uint32_t>(output_nr));
 }
 
-
 } // namespace
 
 // [(node, priority, propagate), ...] as built by torch_ext.priority.
@@ -223,7 +222,9 @@ PyObject* wrap_tensors(const variable_list& tensors) {
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     PyTuple_SET_ITEM(
-        result.get(), static_cast<Py_ssize_t>(i), THPVariable_Wrap(tensors[i]));
+        result.get(),
+        static_cast<Py_ssize_t>(i),
+        THPVariable_Wrap(tensors[i]));
   }
   return result.release();
 }
@@ -254,7 +255,10 @@ BackwardRequest request_from_python(
       THPUtils_typename(grad_tensors));
   const Py_ssize_t num_tensors = PyTuple_GET_SIZE(tensors);
   RequestBuilder builder(
-      num_tensors, PyTuple_GET_SIZE(grad_tensors), options, allow_unreachable);
+      num_tensors,
+      PyTuple_GET_SIZE(grad_tensors),
+      options,
+      allow_unreachable);
   for (Py_ssize_t i = 0; i < num_tensors; ++i) {
     auto root = endpoint_of(PyTuple_GET_ITEM(tensors, i));
     TORCH_CHECK(
@@ -275,7 +279,8 @@ BackwardRequest request_from_python(
   }
   if (inputs != nullptr) {
     TORCH_CHECK(
-        PyTuple_CheckExact(inputs), "inputs to run_backward must be a tuple");
+        PyTuple_CheckExact(inputs),
+        "inputs to run_backward must be a tuple");
     const Py_ssize_t num_inputs = PyTuple_GET_SIZE(inputs);
     builder.expect_inputs(num_inputs);
     for (Py_ssize_t i = 0; i < num_inputs; ++i) {
@@ -298,7 +303,10 @@ BackwardRequest request_from_tensors(
     CallOptions options,
     bool allow_unreachable) {
   RequestBuilder builder(
-      roots.size(), root_grads.size(), options, allow_unreachable);
+      roots.size(),
+      root_grads.size(),
+      options,
+      allow_unreachable);
   for (size_t i = 0; i < roots.size(); ++i) {
     builder.add_root(roots[i]);
     builder.add_root_grad(root_grads.get(i));

@@ -13,8 +13,7 @@ namespace {
 std::atomic<WeightAccumulationBatching> batching_mode{
     WeightAccumulationBatching::kAccelerator};
 
-std::atomic<size_t> max_batched_gradient_bytes{
-    kDefaultMaxBatchedGradientBytes};
+std::atomic<size_t> max_batched_gradient_bytes{kDefaultMaxBatchedGradientBytes};
 
 constexpr const char* kAccumulateOp = "torch_ext::multi_tensor_accumulate_";
 
@@ -67,7 +66,8 @@ bool AccumulationBatch::try_take(
     torch::autograd::Node& fn,
     const torch::autograd::variable_list& grads) {
   auto* accumulate = dynamic_cast<torch::autograd::AccumulateGrad*>(&fn);
-  if (accumulate == nullptr || grads.size() != 1 || at::GradMode::is_enabled()) {
+  if (accumulate == nullptr || grads.size() != 1 ||
+      at::GradMode::is_enabled()) {
     return false;
   }
   // Any hook observes the accumulation (or its timing): leave it to the node.

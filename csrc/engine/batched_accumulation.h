@@ -59,7 +59,9 @@ class AccumulationBatch {
   // Takes over AccumulateGrad `fn`'s work on `grads` if it is an unobserved
   // in-place `.grad += grad`; returns whether it did (the node must then not
   // run).
-  bool try_take(torch::autograd::Node& fn, const torch::autograd::variable_list& grads);
+  bool try_take(
+      torch::autograd::Node& fn,
+      const torch::autograd::variable_list& grads);
 
   // Accumulates everything taken, one multi-tensor call per device, and
   // forgets it. Also on the error path: what stock would have accumulated

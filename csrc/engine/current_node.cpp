@@ -133,8 +133,8 @@ CurrentNodeSlot* current_node_slot(Node* expected_current) {
     const bool valid = found != nullptr && found()->get() == expected_current &&
         torch::autograd::get_current_node().get() == expected_current;
     accessor.store(valid ? found : nullptr, std::memory_order_release);
-    known = valid ? CurrentNodeState::kAvailable
-                  : CurrentNodeState::kUnavailable;
+    known =
+        valid ? CurrentNodeState::kAvailable : CurrentNodeState::kUnavailable;
     state.store(known, std::memory_order_release);
   }
   if (known != CurrentNodeState::kAvailable) {

@@ -162,8 +162,8 @@ void mark_needed(GraphPlan& plan, int32_t single_root, uint64_t min_topo_nr) {
       }
       stack.push_back({child});
     } else {
-      const bool executes =
-          slot == kNoSlot ? virtual_root_needed : plan.slots[slot].should_execute();
+      const bool executes = slot == kNoSlot ? virtual_root_needed
+                                            : plan.slots[slot].should_execute();
       stack.pop_back();
       if (executes && !stack.empty()) {
         mark(stack.back().slot);
@@ -186,7 +186,8 @@ void assign_priorities(
   for (size_t i = 0; i < num_slots; ++i) {
     own[i] = priorities.lookup(plan.slots[i].fn);
     if (!own[i].has_value() && auto_collective && plan.slots[i].collective) {
-      // An explicit priority on a collective's node wins over the automatic one.
+      // An explicit priority on a collective's node wins over the automatic
+      // one.
       own[i] = NodePriority{kCollectivePriority, /*propagate=*/true};
     }
     any = any || own[i].has_value();
@@ -296,7 +297,9 @@ void discover_graph(
     bool accumulate_grad,
     const CallPriorities& priorities,
     const edge_list* also_expand_to) {
-  TORCH_INTERNAL_ASSERT(plan.slots.empty(), "discover_graph needs an empty plan");
+  TORCH_INTERNAL_ASSERT(
+      plan.slots.empty(),
+      "discover_graph needs an empty plan");
   PlanBuilder builder(plan);
   const bool single_root = roots.size() == 1;
   plan.single_root = single_root;
@@ -304,7 +307,8 @@ void discover_graph(
     plan.root_input_nrs.push_back(root.input_nr);
   }
   if (single_root) {
-    plan.root_targets.push_back(builder.add_single_root(roots[0].function.get()));
+    plan.root_targets.push_back(
+        builder.add_single_root(roots[0].function.get()));
   } else {
     for (const auto& root : roots) {
       plan.root_targets.push_back(builder.add_edge_to(root.function.get()));
@@ -350,9 +354,9 @@ void discover_graph(
   // The executor visits a node's captures as one contiguous run, in the order
   // they were requested (stock runs a node's capture hooks in that order).
   std::stable_sort(
-      captures.begin(), captures.end(), [](const Capture& a, const Capture& b) {
-        return a.slot < b.slot;
-      });
+      captures.begin(),
+      captures.end(),
+      [](const Capture& a, const Capture& b) { return a.slot < b.slot; });
   for (int32_t i = static_cast<int32_t>(captures.size()) - 1; i >= 0; --i) {
     plan.slots[captures[i].slot].first_capture = i;
   }

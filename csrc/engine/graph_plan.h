@@ -266,11 +266,11 @@ inline ReadyNode stock_ready_key(const GraphPlan& plan, int32_t slot) {
 // below it cannot lead to an input, and discovery does not expand it.
 uint64_t min_topological_nr(const edge_list& inputs);
 
-// Fills the empty `plan` for running backward from `roots`. With `inputs` empty every
-// reachable node runs; otherwise only the nodes on a path from a root to an
-// input run, and the gradient arriving at each input is captured at its result
-// position (grad()), or, with `accumulate_grad`, the input's own node runs
-// (backward(inputs=...)).
+// Fills the empty `plan` for running backward from `roots`. With `inputs` empty
+// every reachable node runs; otherwise only the nodes on a path from a root to
+// an input run, and the gradient arriving at each input is captured at its
+// result position (grad()), or, with `accumulate_grad`, the input's own node
+// runs (backward(inputs=...)).
 //
 // `priorities` gives each slot its effective priority (GraphPlan::priority).
 //

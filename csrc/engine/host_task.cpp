@@ -120,9 +120,8 @@ void publish_plan_to_host_task(const GraphPlan& plan) {
   // to skip gradients nobody asked for (MmBackward computing dW in grad(x)).
   // Every node that runs or captures must be in it, or its gradient is
   // silently dropped.
-  auto* exec_info =
-      const_cast<std::unordered_map<Node*, GraphTask::ExecInfo>*>(
-          torch::autograd::get_current_graph_task_exec_info());
+  auto* exec_info = const_cast<std::unordered_map<Node*, GraphTask::ExecInfo>*>(
+      torch::autograd::get_current_graph_task_exec_info());
   TORCH_INTERNAL_ASSERT(exec_info != nullptr && !exec_info->empty());
   for (size_t i = 0; i < plan.slots.size(); ++i) {
     const NodeSlot& slot = plan.slots[i];
@@ -138,7 +137,8 @@ void publish_plan_to_host_task(const GraphPlan& plan) {
            plan.captures[c].slot == static_cast<int32_t>(i);
            ++c) {
         info.captures_->emplace_back(
-            plan.captures[c].input_nr, plan.captures[c].output_index);
+            plan.captures[c].input_nr,
+            plan.captures[c].output_index);
       }
     }
   }
@@ -151,7 +151,9 @@ variable_list run_backward(
     CallOptions options,
     std::vector<PriorityOverride> priority_overrides) {
   torch::autograd::validate_outputs(
-      roots, root_grads, [](const std::string& msg) { return msg; });
+      roots,
+      root_grads,
+      [](const std::string& msg) { return msg; });
   TORCH_CHECK(
       options.accumulate_grad || !inputs.empty(),
       "grad requires non-empty inputs.");

@@ -4,11 +4,11 @@
 // release_variables -> deliver each output to its next edge's input buffer.
 // (Engine::evaluate_function and call_function in engine.cpp.)
 
-#include "engine/needs_input_grad.h"
-#include "engine/backward_call.h"
-#include "engine/batched_accumulation.h"
 #include "collectives/collective_lane.h"
 #include "collectives/collective_nodes.h"
+#include "engine/backward_call.h"
+#include "engine/batched_accumulation.h"
+#include "engine/needs_input_grad.h"
 #include "engine/running_node.h"
 
 #include <ATen/DeviceAccelerator.h>
@@ -78,7 +78,9 @@ variable_list validate_and_post_hooks(
     const variable_list& inputs,
     bool has_post_hooks) {
   torch::autograd::validate_outputs(
-      fn.next_edges(), outputs, [&](const std::string& msg) {
+      fn.next_edges(),
+      outputs,
+      [&](const std::string& msg) {
         std::ostringstream ss;
         ss << "Function " << fn.name() << " returned an " << msg;
         return std::move(ss).str();
@@ -105,10 +107,16 @@ variable_list apply_and_post_hooks(
     outputs = fn(std::move(inputs));
   }
   return validate_and_post_hooks(
-      fn, std::move(outputs), inputs, has_post_hooks);
+      fn,
+      std::move(outputs),
+      inputs,
+      has_post_hooks);
 }
 
-variable_list call_function(Node& fn, variable_list&& buffered, bool keep_graph) {
+variable_list call_function(
+    Node& fn,
+    variable_list&& buffered,
+    bool keep_graph) {
   // Owned here, as stock's call_function owns its inputs: whatever apply()
   // left of them is freed when this returns, before release_variables and
   // before the outputs are delivered.
@@ -282,7 +290,9 @@ const BackwardCall* BackwardCall::running_call() {
 
 ReadyNode BackwardCall::ready_key(int32_t target) const {
   return torch_ext::ready_key(
-      plan_, target, plan_.slots[target].has_pending_wait);
+      plan_,
+      target,
+      plan_.slots[target].has_pending_wait);
 }
 
 void BackwardCall::add_to_input(
@@ -298,7 +308,11 @@ void BackwardCall::add_to_input(
   }
   prepare_for_accelerator_grad(inputs, grad);
   inputs.add(
-      input_nr, std::move(grad), producer_stream, stream_of(*slot.fn), slot.fn);
+      input_nr,
+      std::move(grad),
+      producer_stream,
+      stream_of(*slot.fn),
+      slot.fn);
 }
 
 void BackwardCall::deliver(
@@ -356,7 +370,10 @@ void BackwardCall::deliver(
         held_bytes_ -= static_cast<int64_t>(held.grad.nbytes());
       }
       add_to_input(
-          target, input_nr, std::move(held.grad), held.producer_stream);
+          target,
+          input_nr,
+          std::move(held.grad),
+          held.producer_stream);
       ++order.next_rank;
       i = 0;
     }
@@ -549,7 +566,8 @@ void BackwardCall::execute_node(int32_t index) {
     running_node_event_ = trace_event;
   }
   trace::EndOnExit end_trace_event(
-      kTraced ? trace_.get() : nullptr, trace_event);
+      kTraced ? trace_.get() : nullptr,
+      trace_event);
 
   // Stock restores the graph task's whole thread-local state before every
   // node, so state a hook or node leaves behind does not leak into the next
@@ -693,7 +711,11 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
     lane_node.inputs = grads;
   }
   lanes_->dispatch(
-      group, index, fn.getptr(), std::move(grads), at::ThreadLocalState());
+      group,
+      index,
+      fn.getptr(),
+      std::move(grads),
+      at::ThreadLocalState());
 }
 
 void BackwardCall::finish_lane_node(
@@ -718,7 +740,10 @@ void BackwardCall::finish_lane_node(
   try {
     CurrentNodeGuard current_node(current_node_slot_, fn);
     delivered = validate_and_post_hooks(
-        fn, std::move(outputs), lane_node.inputs, lane_node.had_post_hooks);
+        fn,
+        std::move(outputs),
+        lane_node.inputs,
+        lane_node.had_post_hooks);
     lane_node.inputs.clear();
     if (!options_.keep_graph) {
       fn.release_variables();

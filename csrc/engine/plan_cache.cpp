@@ -371,7 +371,9 @@ void plan_for_call(
   // Kept once the structure comes back: the second call with its size.
   const SeenOnce seen{key, plan.slots.size(), plan.edge_targets.size()};
   auto it = std::find_if(
-      cache.seen_once.begin(), cache.seen_once.end(), [&](const SeenOnce& s) {
+      cache.seen_once.begin(),
+      cache.seen_once.end(),
+      [&](const SeenOnce& s) {
         return s.key == seen.key && s.num_slots == seen.num_slots &&
             s.num_edges == seen.num_edges;
       });
@@ -387,7 +389,8 @@ void plan_for_call(
     cache.templates.pop_back();
   }
   cache.templates.insert(
-      cache.templates.begin(), make_template(plan, key, inputs, priorities));
+      cache.templates.begin(),
+      make_template(plan, key, inputs, priorities));
 }
 
 void set_plan_cache_enabled(bool enabled) {

@@ -45,7 +45,8 @@ void set_node_priority(
     NodePriority priority) {
   std::lock_guard<std::mutex> lock(table_mutex);
   table.insert_or_assign(
-      node.get(), TableEntry{c10::weak_intrusive_ptr<Node>(node), priority});
+      node.get(),
+      TableEntry{c10::weak_intrusive_ptr<Node>(node), priority});
   if (table.size() >= 2 * size_after_sweep + 64) {
     sweep_dead_entries_locked();
   }

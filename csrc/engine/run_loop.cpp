@@ -3,12 +3,12 @@
 // in the scheduler's order until none is left. Runs inside the host task's
 // BackwardDriver (host_task.cpp).
 
-#include "engine/current_node.h"
-#include "engine/host_task.h"
-#include "engine/backward_call.h"
-#include "engine/batched_accumulation.h"
 #include "collectives/collective_lane.h"
 #include "collectives/collective_nodes.h"
+#include "engine/backward_call.h"
+#include "engine/batched_accumulation.h"
+#include "engine/current_node.h"
+#include "engine/host_task.h"
 #include "engine/plan_cache.h"
 #include "engine/schedule_replay.h"
 
@@ -146,7 +146,11 @@ void BackwardCall::run(Node* host_node) {
       torch::autograd::get_current_graph_task_nodes_in_graph();
   if (!has_plan_) {
     plan_for_call(
-        plan_, roots_, inputs_, options_.accumulate_grad, priorities_);
+        plan_,
+        roots_,
+        inputs_,
+        options_.accumulate_grad,
+        priorities_);
   }
   ordered_inputs_.resize(plan_.num_ordered_inputs);
   // Filling the host's nodes_in_graph makes _will_engine_execute_node and
@@ -226,8 +230,7 @@ bool BackwardCall::may_start(int32_t slot) const {
   if (place == kNoSlot) {
     return true;
   }
-  return place == next_in_sequence_ &&
-      (runs_in_lane(slot) || !lanes_->busy());
+  return place == next_in_sequence_ && (runs_in_lane(slot) || !lanes_->busy());
 }
 
 void BackwardCall::unpark() {
@@ -253,7 +256,9 @@ void BackwardCall::run_with_lanes() {
       const bool block = ready_.empty();
       for (auto& finished : lanes_->take_finished(block, check_interrupt)) {
         finish_lane_node(
-            finished.slot, std::move(finished.outputs), finished.error);
+            finished.slot,
+            std::move(finished.outputs),
+            finished.error);
       }
       if (!lanes_->busy()) {
         // A collective the engine issues itself may have waited for this.

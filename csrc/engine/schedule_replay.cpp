@@ -71,7 +71,9 @@ void replay_schedule(
     const auto& next_edges = slot.fn->next_edges();
     for (size_t i = 0; i < next_edges.size(); ++i) {
       deliver(
-          slot.first_edge + i, plan.target_of(s, i), next_edges[i].input_nr);
+          slot.first_edge + i,
+          plan.target_of(s, i),
+          next_edges[i].input_nr);
     }
   }
 }

@@ -3,8 +3,8 @@
 // kRunAndKeep, kCaptureAndKeep); the dW plan resumes it (kResumeKept) and
 // runs the weight subgraph. The executor runs both like any plan.
 
-#include "engine/host_task.h"
 #include "engine/split_backward.h"
+#include "engine/host_task.h"
 #include "engine/schedule_replay.h"
 
 #include "engine/batched_accumulation.h"
@@ -194,7 +194,8 @@ class InputPassRewrite {
       weight_side_[s] = !plan.slots[s].needed && leads[s];
     }
     plan.later_pass_edge.assign(
-        plan.edge_targets.size() + plan.root_targets.size(), 0);
+        plan.edge_targets.size() + plan.root_targets.size(),
+        0);
     for (size_t s = 0; s < num_slots; ++s) {
       NodeSlot& node = plan.slots[s];
       if (is_captured_weight_side(plan, static_cast<int32_t>(s))) {
@@ -271,8 +272,7 @@ class InputPassRewrite {
       const int32_t s = original_slot[slot];
       NodeSlot& copy = weight_plan.slots[slot];
       copy.first_edge = static_cast<uint32_t>(weight_plan.edge_targets.size());
-      const size_t num_edges =
-          copy.expanded ? copy.fn->next_edges().size() : 0;
+      const size_t num_edges = copy.expanded ? copy.fn->next_edges().size() : 0;
       for (size_t i = 0; i < num_edges; ++i) {
         const int32_t target = plan.target_of(s, i);
         const size_t edge = plan.slots[s].first_edge + i;
@@ -388,7 +388,9 @@ InputPassResult backward_input(
     bool keep_graph,
     bool allow_unused) {
   torch::autograd::validate_outputs(
-      roots, root_grads, [](const std::string& msg) { return msg; });
+      roots,
+      root_grads,
+      [](const std::string& msg) { return msg; });
   if (roots.size() != 1) {
     // Stock's GraphRoot takes a sequence number (see run_backward).
     at::sequence_number::get_and_increment();
@@ -408,7 +410,13 @@ InputPassResult backward_input(
       /*accumulate_grad=*/false,
       CallPriorities({}),
       &weight_edges);
-  InputPassRewrite(roots, root_grads, inputs, weight_edges, allow_unused, *state)
+  InputPassRewrite(
+      roots,
+      root_grads,
+      inputs,
+      weight_edges,
+      allow_unused,
+      *state)
       .rewrite(plan);
   // Only the weight pass's root gradients are kept (in the state); no other
   // reference may stay, or input buffers would not accumulate in place.

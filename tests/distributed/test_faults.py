@@ -119,7 +119,7 @@ def _rank(rank: int, port: int, fault: str, through: str, out_dir: str) -> None:
                 "reference": reference,
             }
         )
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a rank's crash goes to the test, whatever it was
         report({"rank": rank, "crash": traceback.format_exc()})
     finally:
         # Out without teardown: a peer may be gone, and its group with it.
@@ -171,7 +171,9 @@ def test_a_hook_that_raises_while_the_lane_is_in_flight(tmp_path):
     assert peer["error"] is None, peer["error"]
     assert failed["threads_left"] <= 0 and failed["next_backward"]
     # Every gradient rank 0 accumulated before the error is stock's full backward's, bit for bit.
-    completed = [(ours, stock) for ours, stock in zip(failed["grads"], failed["reference"], strict=True) if ours is not None]
+    completed = [
+        (ours, stock) for ours, stock in zip(failed["grads"], failed["reference"], strict=True) if ours is not None
+    ]
     assert completed, "no gradient completed before the hook's error"
     assert all(torch.equal(ours, stock) for ours, stock in completed)
 
