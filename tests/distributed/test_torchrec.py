@@ -20,6 +20,7 @@ from _harness import WORLD_SIZE, assert_identical, run_ranks, train_on_both_engi
 from engine_helpers import graph_nodes
 
 import torch_ext
+from torch_ext.testing import dlrm_batch, sharded_dlrm
 
 pytestmark = pytest.mark.distributed
 
@@ -41,53 +42,27 @@ LAUNCH, WAIT = "All2All_Pooled_WaitBackward", "All2All_Pooled_ReqBackward"
 
 def _dlrm(rank: int):
     """DLRM whose EmbeddingBagCollection is sharded table-wise over the ranks, with the fused CPU kernel."""
-    import torchrec
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.distributed.types import ShardingType
-    from torchrec.models.dlrm import DLRM
-
-    torch.manual_seed(0)
-    tables = [
-        torchrec.EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
-        for i in range(TABLES)
-    ]
-    model = DLRM(
-        embedding_bag_collection=torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
-        dense_in_features=DENSE_FEATURES,
-        dense_arch_layer_sizes=[16, DIM],
-        over_arch_layer_sizes=[16, 1],
-        dense_device=torch.device("cpu"),
+    return sharded_dlrm(
+        tables=TABLES,
+        rows=ROWS,
+        dim=DIM,
+        dense_features=DENSE_FEATURES,
+        dense_layer_sizes=[16, DIM],
+        over_layer_sizes=[16, 1],
+        learning_rate=LEARNING_RATE,
+        world_size=WORLD_SIZE,
     )
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LEARNING_RATE}
-    )
-    constraints = {
-        table.name: ParameterConstraints(
-            sharding_types=[ShardingType.TABLE_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
-        )
-        for table in tables
-    }
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=WORLD_SIZE, compute_device="cpu"), constraints=constraints
-    )
-    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
 
 
 def _batch(rank: int, step: int):
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    generator = torch.Generator().manual_seed(100 * step + rank)
-    dense = torch.randn(BATCH, DENSE_FEATURES, generator=generator)
-    lengths = torch.randint(0, 3, (TABLES * BATCH,), generator=generator)
-    values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=generator)
-    sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(TABLES)], values=values, lengths=lengths)
-    labels = torch.randint(0, 2, (BATCH,), generator=generator).float()
-    return dense, sparse, labels
+    return dlrm_batch(
+        seed=100 * step + rank,
+        batch=BATCH,
+        dense_features=DENSE_FEATURES,
+        tables=TABLES,
+        rows=ROWS,
+        ids_per_bag=(0, 3),
+    )
 
 
 def _local_tables(model) -> dict:
