@@ -48,6 +48,34 @@ def timed_call(fn: Callable[..., T], *args: object, **kwargs: object) -> tuple[i
             gc.enable()
 
 
+def _run_delay_ns() -> int:
+    """This thread's time spent runnable but waiting for a CPU (schedstat's run delay; 0 where there is none)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def timed_blocking(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, blocked seconds) of ``fn()`` on this thread. Blocked is the wall time it neither ran nor
+    waited for a CPU: wall - the thread's CPU time - its run delay, the time it slept (in a collective's wait, for
+    bytes still on the wire).
+
+    A backward's exposed communication read this way is precise where a difference of two backward times is not:
+    a compute-only backward on either engine read 0.00-0.02 ms blocked (45 dense layers, 8 calls each), while two
+    neighbouring calls' times differed by ~5 ms beside other processes' load. Both engines run a CPU graph on the
+    calling thread; without schedstat the time waiting for a CPU counts as blocked.
+    """
+    delay = _run_delay_ns()
+    cpu = time.thread_time_ns()
+    start = time.perf_counter_ns()
+    fn()
+    wall = time.perf_counter_ns() - start
+    blocked = wall - (time.thread_time_ns() - cpu) - (_run_delay_ns() - delay)
+    return wall / 1e9, max(0, blocked) / 1e9
+
+
 def median_backward_s(make_loss: Callable[[], torch.Tensor], reps: int) -> float:
     """Median seconds of ``make_loss().backward()`` over ``reps`` calls after one untimed call, the forward not
     timed (a benchmark's calibration of one layer's backward). The untimed call: the first backward of a new
@@ -243,21 +271,22 @@ def plot_efficiency_curves(ax, rows: Sequence[SummaryRow], title: str) -> None:
     ax.legend(fontsize=8)
 
 
-def slowest_rank_median(measure: Callable[[], float], reps: int) -> float:
-    """In a benchmark's rank, on every rank: the median over ``reps`` calls of ``measure()`` (each call starting
-    the ranks together, as ``_hosts.timed_all_to_all`` does) of the slowest rank's value in that call.
+def slowest_rank_samples(measure: Callable[[], float], reps: int) -> list[float]:
+    """In a benchmark's rank, on every rank: ``reps`` calls of ``measure()`` (each starting the ranks together, as
+    ``_hosts.timed_all_to_all`` does), each call's value the slowest rank's.
 
-    For T_comm. On the shaped veth one all_to_all's two directions sometimes both take ~20 ms and more often one
-    of them ~36 ms (its ACKs wait behind the other direction's data in the link's queue): per call the slower
-    rank's time is ~36 ms about 3 times in 4 and ~20 ms otherwise; on one rank alone either may dominate (rank 0
-    20 ms and rank 1 36 ms in 8 calls out of 8). A median of one rank's calls, or of a few calls, lands in
-    either mode; this one needs most of ``reps`` in the rarer mode to move.
+    For T_comm, from all_to_alls back to back. On the shaped veth the time of one all_to_all of 2 MiB each way has
+    two modes: back to back, the slower rank's took 36-40 ms in 10 calls of 10, as long as stock's steps wait for
+    the whole transfer (36-38 ms in recsys_torchrec, 36 in overlap); started after 100 ms of compute it took ~19 ms
+    (both directions at the link's rate) in 5 of 10, so the comm variants timed between the steps of a sweep gave
+    medians of 36, 28 and 24 ms in three runs, and efficiencies with them. The ranks' own times differ within a
+    call (one rank 20 ms, the other 36), hence the slowest rank per call.
     """
     import torch.distributed as dist
 
     samples = torch.tensor([measure() for _ in range(reps)], dtype=torch.float64)
     dist.all_reduce(samples, op=dist.ReduceOp.MAX)
-    return statistics.median(samples.tolist())
+    return samples.tolist()
 
 
 # A dense layer's backward is calibrated on this many layers one after the other: calls of 8-20 ms here, not 1-2.
@@ -265,42 +294,46 @@ CALIBRATION_LAYERS = 8
 
 
 def dense_layer_backward_s(hidden: int, rows: int, reps: int) -> float:
-    """Seconds of one Linear(hidden, hidden) + ReLU layer's backward at ``rows`` rows: the fastest of ``reps``
-    backward calls of a stack of CALIBRATION_LAYERS such layers (after one untimed call), over their number; this
-    process's.
+    """Seconds of one Linear(hidden, hidden) + ReLU layer's backward at ``rows`` rows: the median of ``reps``
+    backward calls of a stack of CALIBRATION_LAYERS such layers (``median_backward_s``), over their number; this
+    process's, timed while the other rank times its own.
 
-    The fastest, not the median: on these shared cores a median follows whatever else runs at that moment. Medians
-    of 9 calls of one layer read 5.4 ms instead of 1.9 beside a pytest run (the sweep's points a third of the
-    ratios asked for), and of the stack before each point of one run 2.29, 1.87 and 0.82 ms under a load average of
-    4. The fastest call is the machine's speed when the rank has its core, so the sweep's depths repeat between
-    runs; under load the dense backward then lasts longer than the ratio says.
+    A stack, not one layer: a median of 9 calls of 1-2 ms spans ~20 ms, and a moment of another process's load set
+    the whole sweep's depths (one layer read 5.4 ms instead of 1.9 beside a pytest run). The median, not the
+    fastest call: the fastest (0.82-0.96 ms at 256 x 256, 256 rows) is the layer on a core of its own, and inside
+    the two ranks' backward, side by side on the 2 cores, the layers took 1.26 ms each, so every point sat 1.3x to
+    the right of its ratio. Beside other processes' load any calibration moves; the benchmarks record the load.
     """
     stack = torch.nn.Sequential(
         *(torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU()) for _ in range(CALIBRATION_LAYERS))
     )
     x = torch.randn(rows, hidden)
-    stack(x).sum().backward()
-    times = []
-    for _ in range(reps):
-        loss = stack(x).sum()
-        start = time.perf_counter()
-        loss.backward()
-        times.append(time.perf_counter() - start)
-    return min(times) / CALIBRATION_LAYERS
+    return median_backward_s(lambda: stack(x).sum(), reps) / CALIBRATION_LAYERS
+
+
+def _runnable_tasks() -> int:
+    """Tasks running or waiting for a CPU on the machine now (/proc/stat's procs_running), the caller excluded."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("procs_running "):
+                return int(line.split()[1]) - 1
+    return 0
 
 
 @contextlib.contextmanager
-def load_average(every_s: float = 2.0) -> Iterator[Callable[[], Summary]]:
-    """Samples the machine's 1-minute load average every ``every_s`` seconds while the block runs (a benchmark's
-    ranks); yields a function giving their median and percentiles. A benchmark's two busy ranks make about 2 on
-    this 2-core machine; more is other processes sharing the cores, under which overlap figures move: a rank that
-    blocks on the network lends its core to them, one that computes competes (docs/benchmarks.md)."""
+def runnable_tasks(every_s: float = 0.2) -> Iterator[Callable[[], Summary]]:
+    """Samples how many tasks are running or waiting for a CPU, every ``every_s`` seconds while the block runs (a
+    benchmark's ranks); yields a function giving the samples' median and percentiles. A benchmark's two ranks make
+    2 while they compute on this 2-core machine; more is other processes sharing the cores, under which overlap
+    figures move: a rank that blocks on the network lends its core to them, one that computes competes. (The load
+    average says it a minute late, if at all: another engineer's moe_sync running beside a 40 s overlap run, whose
+    torch_ext read 0.67 instead of 0.87-0.91, left the 1-minute load average at 1.7.)"""
     samples: list[float] = []
     stop = threading.Event()
 
     def sample() -> None:
         while True:
-            samples.append(os.getloadavg()[0])
+            samples.append(_runnable_tasks())
             if stop.wait(every_s):
                 return
 

@@ -24,18 +24,20 @@ not timed), the slowest rank's time counting for the step:
   torch_ext(funcol)  PyTorch's functional all_to_all on torch_ext's engine: priority alone, the
                      functional op still waits inside its node
   compute            the same graph with the all_to_all replaced by a local copy (no communication),
-                     stock engine: the baseline of stock and stock+seq_nr
-  compute(torch_ext) the same on torch_ext's engine: the baseline of torch_ext and torch_ext(funcol)
+                     stock engine: the compute of stock and stock+seq_nr
+  compute(torch_ext) the same on torch_ext's engine: the compute of torch_ext and torch_ext(funcol)
                      (torch_ext's engine alone ran this graph's backward 2-7% faster than stock's)
-  comm               the backward all_to_all alone (T_comm)
+  comm               the backward all_to_all alone, between the steps (reported; T_comm itself is from
+                     25 all_to_alls of the same bytes back to back: _common.slowest_rank_samples)
 
 The all_to_all sends ``--payload-mib`` MiB to the other rank. The dense MLP's backward is swept over
 multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script times the all_to_all
 alone and one dense layer's backward (both ranks agree on the larger) and builds the depth that makes
-the dense backward ``ratio`` x T_comm. At each point, per repetition, exposed communication = the
-variant's backward - the backward of its engine's compute variant, and overlap efficiency = 1 - exposed /
-T_comm (T_comm the median of every point's comm): 1 when the communication is completely hidden, 0 when it
-is fully exposed.
+the dense backward ``ratio`` x T_comm. At each point, per repetition, exposed communication = the time the
+backward's thread was blocked (waiting for the all_to_all's bytes: ``_common.timed_blocking``), the slower
+rank's, and overlap efficiency = 1 - exposed / T_comm (T_comm the median of the back-to-back ones): 1 when the
+communication is completely hidden, 0 when it is fully exposed. Beside it, the backward's excess over its
+engine's compute variant (``over_compute_ms``): what the communication costs the step in all, noisier.
 Only the dense MLP can hide it (the embedding's backward needs its result), so the ideal is
 min(1, ratio).
 
@@ -82,15 +84,16 @@ from _common import (
     csv_row,
     dense_layer_backward_s,
     git_sha,
-    load_average,
     parse_ratios,
     plot_efficiency_curves,
     progress,
-    slowest_rank_median,
+    runnable_tasks,
+    slowest_rank_samples,
     summarize,
     sweep_case,
     sweep_cases,
     sweep_depth,
+    timed_blocking,
     write_csv,
 )
 from _hosts import (
@@ -99,6 +102,7 @@ from _hosts import (
     agreed_max,
     leave_rank,
     run_on_two_hosts,
+    timed_all_to_all,
     write_rank_result,
 )
 from torch import nn
@@ -121,9 +125,7 @@ RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
 QUICK_RATIOS = (0.5, 1.0, 2.0)
 # Untimed all_to_alls before T_comm is calibrated: a process's first is slower (moe_sync.py: 1.5x).
 WARMUP_ALL_TO_ALLS = 3
-# T_comm's calibration: the slower rank's all_to_all is ~36 ms 3 times in 4 and ~20 ms otherwise here
-# (_common.slowest_rank_median). With 9 calls a median of 20 ms (the sweep's depths all half what was asked)
-# needs 5 in the rarer mode, about 1 run in 20; with 25 calls, 13, about 1 in 300. ~1 s.
+# T_comm: the median of this many all_to_alls back to back, the slower rank's (_common.slowest_rank_samples), ~1 s.
 COMM_CALIBRATION_REPS = 25
 # _set_sequence_nr boost, as PR #114120 suggests: above every sequence number a forward makes.
 SEQUENCE_NR_BOOST = 2**62
@@ -215,23 +217,22 @@ def _backward(loss: torch.Tensor, on_torch_ext: bool) -> None:
         loss.backward()
 
 
-def _timed_backward(loss: torch.Tensor, on_torch_ext: bool) -> float:
+def _timed_backward(loss: torch.Tensor, on_torch_ext: bool) -> tuple[float, float]:
+    """(seconds, seconds blocked) of the backward call, the ranks started together."""
     dist.barrier()
-    start = time.perf_counter()
-    _backward(loss, on_torch_ext)
-    return time.perf_counter() - start
+    return timed_blocking(lambda: _backward(loss, on_torch_ext))
 
 
 def _comm_only(dim: int) -> float:
     rows = torch.randn(BATCH * FEATURES, dim, requires_grad=True)
     exchanged = _funcol_exchange(rows)
     loss = (exchanged * 1.0).sum()
-    return _timed_backward(loss, on_torch_ext=False)
+    return _timed_backward(loss, on_torch_ext=False)[0]
 
 
-def _step(model: Model, inputs, variant: str, dim: int) -> float:
+def _step(model: Model, inputs, variant: str, dim: int) -> tuple[float, float]:
     if variant == "comm":
-        return _comm_only(dim)
+        return _comm_only(dim), 0.0
     exchange, on_torch_ext = EXCHANGES[variant]
     model.zero_grad(set_to_none=True)
     loss = model(*inputs, exchange)
@@ -253,31 +254,20 @@ def _check_same_gradients(model: Model, inputs) -> None:
 
 
 def _time_point(model: Model, inputs, dim: int, config: Config) -> dict[str, dict[str, list[float]]]:
-    """Backward seconds at one sweep point, ``config.reps`` repetitions after the warm-up: ``times``, every run of
-    each variant; ``baselines``, for each collective variant, the run of its compute baseline paired with each of
-    its runs.
-
-    Each collective variant runs right beside its own baseline (which first alternates between repetitions), so
-    that the pair sees the same moment of the machine's load: on these shared cores two neighbouring backward calls
-    differed by 5.0 ms (half the interquartile range of the differences, 45 dense layers, load average 3.9), two
-    calls 40 apart by 7.2. The variants' order rotates between repetitions, so drift spreads evenly over them.
-    """
+    """At one sweep point, ``config.reps`` repetitions after the warm-up: ``times``, each variant's backward seconds;
+    ``blocked``, each collective variant's seconds blocked in them (its exposed communication)."""
     times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    baselines: dict[str, list[float]] = {variant: [] for variant in COLLECTIVE_VARIANTS}
+    blocked: dict[str, list[float]] = {variant: [] for variant in COLLECTIVE_VARIANTS}
     for rep in range(config.warmup + config.reps):
-        shift = rep % len(COLLECTIVE_VARIANTS)
-        for variant in COLLECTIVE_VARIANTS[shift:] + COLLECTIVE_VARIANTS[:shift]:
-            baseline = _baseline(variant)
-            pair = (baseline, variant) if rep % 2 == 0 else (variant, baseline)
-            elapsed = {name: _step(model, inputs, name, dim) for name in pair}
+        # Alternate the variants within each repetition, rotating which goes first, so drift
+        # in the machine's load spreads evenly over them.
+        for variant in VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]:
+            elapsed, waited = _step(model, inputs, variant, dim)
             if rep >= config.warmup:
-                for name in pair:
-                    times[name].append(elapsed[name])
-                baselines[variant].append(elapsed[baseline])
-        comm = _step(model, inputs, "comm", dim)
-        if rep >= config.warmup:
-            times["comm"].append(comm)
-    return {"times": times, "baselines": baselines}
+                times[variant].append(elapsed)
+                if variant in blocked:
+                    blocked[variant].append(waited)
+    return {"times": times, "blocked": blocked}
 
 
 def _run_rank(config: Config) -> list[dict]:
@@ -288,9 +278,12 @@ def _run_rank(config: Config) -> list[dict]:
     rank = dist.get_rank()
     try:
         dim = config.embedding_dim
+        # The bytes of the backward's all_to_all: half of every rank's rows to the other rank.
+        send = torch.randn(BATCH * FEATURES, dim)
         for _ in range(WARMUP_ALL_TO_ALLS):
-            _comm_only(dim)
-        t_comm = slowest_rank_median(lambda: _comm_only(dim), COMM_CALIBRATION_REPS)
+            timed_all_to_all(send)
+        comm_s = slowest_rank_samples(lambda: timed_all_to_all(send), COMM_CALIBRATION_REPS)
+        t_comm = statistics.median(comm_s)
         t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps))
         # The timeline is of the point nearest ratio 1, where the two orders differ most.
         traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
@@ -317,7 +310,7 @@ def _run_rank(config: Config) -> list[dict]:
         result = {
             "points": points,
             "dim": dim,
-            "calibration": {"comm_s": t_comm, "dense_layer_s": t_layer},
+            "calibration": {"comm_s": comm_s, "dense_layer_s": t_layer},
             "held": held,
         }
         gathered: list = [None] * dist.get_world_size()
@@ -333,7 +326,7 @@ def slowest_rank(results: list[dict]) -> dict:
     points = []
     for index, point in enumerate(first["points"]):
         merged = {}
-        for key in ("times", "baselines"):
+        for key in ("times", "blocked"):
             per_rank = [result["points"][index][key] for result in results]
             merged[key] = {
                 name: [max(samples) for samples in zip(*(runs[name] for runs in per_rank), strict=True)]
@@ -498,20 +491,21 @@ def _write_timelines(rows: list[tuple[str, list[dict]]], png_path: str, dense_la
 
 
 def report(result: dict, link: str, out: str, load: Summary | None = None) -> None:
-    """Prints the table and writes the CSV; ``load``: the load average while the ranks ran, where known."""
+    """Prints the table and writes the CSV; ``load``: the runnable tasks while the ranks ran, where known."""
     sha = git_sha()
     calibration = result["calibration"]
     print(
         f"\noverlap: {result['dim']}d x {BATCH * FEATURES} rows, {link}; calibration: T_comm "
-        f"{calibration['comm_s'] * 1e3:.1f} ms, one dense layer {calibration['dense_layer_s'] * 1e3:.2f} ms"
+        f"{statistics.median(calibration['comm_s']) * 1e3:.1f} ms, one dense layer "
+        f"{calibration['dense_layer_s'] * 1e3:.2f} ms"
     )
     print(
         f"{'ratio':>5} {'layers':>6} {'variant':<18} {'backward ms: median [p20-p80]':<30} {'/stock':>6} "
-        f"{'exposed ms':>10} {'efficiency':>10} {'ideal':>5}"
+        f"{'exposed ms':>10} {'efficiency':>10} {'ideal':>5} {'- compute ms':>12}"
     )
-    # One T_comm for the sweep: the same bytes at every point, and a few samples' median can land in the rarer
-    # of the transfer's two modes (_common.slowest_rank_median).
-    comm = summarize([t * 1e3 for point in result["points"] for t in point["times"]["comm"]])
+    # One T_comm for the sweep, from all_to_alls back to back: the comm variant timed between steps often ran in
+    # the link's faster mode, which the steps do not see (_common.slowest_rank_samples).
+    comm = summarize([t * 1e3 for t in calibration["comm_s"]])
     t_comm = comm.median / 1e3
     rows = [csv_row("comm", "overlap", f"{result['dim']}d x {BATCH * FEATURES} rows, {link}", "t_comm_ms", comm, sha)]
     for point in result["points"]:
@@ -523,26 +517,33 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
         for variant in VARIANTS:
             backward = summarize([t * 1e3 for t in times[variant]])
             rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
-            exposed_text = efficiency_text = ideal_text = ""
+            exposed_text = efficiency_text = ideal_text = over_text = ""
             if variant in COLLECTIVE_VARIANTS:
-                # Per run: the compute-only backward on the same engine run beside it is the baseline.
-                exposed = [b - c for b, c in zip(times[variant], point["baselines"][variant], strict=True)]
+                exposed = point["blocked"][variant]
                 exposed_ms = summarize([e * 1e3 for e in exposed])
                 efficiency = summarize([1 - e / t_comm for e in exposed])
+                # The same repetition's compute-only backward on the same engine: what the step costs beyond it,
+                # the communication's exposed part and the slowdown it causes (noisy: two backward times' gap).
+                compute = times[_baseline(variant)]
+                over_compute = summarize([(b - c) * 1e3 for b, c in zip(times[variant], compute, strict=True)])
                 rows.append(csv_row(variant, case, size, "exposed_ms", exposed_ms, sha))
                 rows.append(csv_row(variant, case, size, "efficiency", efficiency, sha))
+                rows.append(csv_row(variant, case, size, "over_compute_ms", over_compute, sha))
                 exposed_text, efficiency_text = f"{exposed_ms.median:.1f}", f"{efficiency.median:.2f}"
-                ideal_text = f"{ideal:.2f}"
+                ideal_text, over_text = f"{ideal:.2f}", f"{over_compute.median:.1f}"
             print(
                 f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<18} {backward!s:<30} "
-                f"{backward.median / 1e3 / stock:6.2f} {exposed_text:>10} {efficiency_text:>10} {ideal_text:>5}"
+                f"{backward.median / 1e3 / stock:6.2f} {exposed_text:>10} {efficiency_text:>10} {ideal_text:>5} "
+                f"{over_text:>12}"
             )
     if load is not None:
-        rows.append(csv_row("machine", "overlap", link, "load_average", load, sha))
+        rows.append(csv_row("machine", "overlap", link, "runnable_tasks", load, sha))
     write_csv(out, rows)
-    print(f"T_comm {comm} ms (every point's comm; efficiency = 1 - exposed / its median)")
+    print(
+        f"T_comm {comm} ms ({len(calibration['comm_s'])} all_to_alls back to back; efficiency = 1 - exposed / its median)"
+    )
     if load is not None:
-        print(f"load average while the ranks ran: {load} (the ranks make ~2; more: other processes on the cores)")
+        print(f"runnable tasks while the ranks ran: {load} (the ranks make 2; more: other processes on the 2 cores)")
     held = result.get("held")
     if held is not None:
         # Gradients that reached a buffer ahead of stock's order wait there for their turn (issue #12).
@@ -615,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions of {len(VARIANTS)} variants"
     )
     forwarded = sys.argv[1:] if argv is None else list(argv)
-    with load_average() as load:
+    with runnable_tasks() as load:
         run = run_on_two_hosts(__file__, forwarded, mode=args.network)
     report(slowest_rank(run.results), run.network.label, args.out, load())
     return 0
@@ -654,9 +655,9 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
         notes = f"efficiency by dense/comm ratio {per_point}; exposed {values['exposed_ms']:.1f} ms on average"
         if variant == "stock":
             notes += f"; T_comm {t_comm:.3g} ms, {scenario}"
-            load = rows.get(("machine", "overlap", "load_average"))
+            load = rows.get(("machine", "overlap", "runnable_tasks"))
             if load is not None:
-                notes += f"; load average {load['median']:.1f}"
+                notes += f"; runnable tasks {load['median']:g} (the ranks: 2)"
         summary.append(
             SummaryRow(
                 "overlap",

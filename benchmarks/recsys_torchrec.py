@@ -17,18 +17,22 @@ Variants, alternating within every repetition, the slowest rank's time counting:
   stock      the training step on PyTorch's engine
   torch_ext  the same step under ``torch_ext.enabled()``
   comm       the backward all_to_all alone: ``dist.all_to_all_single`` of the same pooled gradient
-             bytes (T_comm)
+             bytes, between the steps (reported; T_comm itself is from 25 back to back, below)
 
 Each step is timed as a whole (forward, backward, the dense SGD update; the tables' update is fused into
 their backward) and its backward alone. The exposed communication is the time the wait node
 (``All2All_Pooled_ReqBackward``) blocks, measured by hooks on that node (before and after it runs), the
 slower rank's; overlap efficiency = 1 - exposed / T_comm: 0 when the whole transfer is waited for there, 1
-when it had already arrived. (moe_sync.py and overlap.py take the exposed time as the backward minus a
-communication-free backward's; TorchRec's sharded collection has no communication-free form that computes
-the same, and the wait node is where the step blocks on the transfer.)
+when it had already arrived. (moe_sync.py takes the exposed time as the backward minus a communication-free
+backward's; TorchRec's sharded collection has no communication-free form that computes the same, and the wait
+node is where the step blocks on the transfer.) T_comm is the median of 25 all_to_alls of the same bytes back
+to back, the slower rank's: as long as stock's step waits for the whole transfer (_common.slowest_rank_samples).
+
+The dense arch is not wrapped in DistributedDataParallel (``init_data_parallel=False``): DDP's all_reduce of its
+gradients would share the link with the all_to_all and set the dense arch's backward by its traffic.
 
 Sizes: each rank looks up BATCH samples; the pooled gradient each rank sends the other is
-BATCH * (TABLES / 2) * DIM floats (2 MiB with the defaults, about 17 ms at 1 Gbit/s). The dense arch's
+BATCH * (TABLES / 2) * DIM floats (2 MiB with the defaults, 36-38 ms on the shaped link). The dense arch's
 backward is swept over multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script
 times the transfer and one Linear(HIDDEN, HIDDEN) layer's backward (both ranks agree on the larger) and gives
 the dense arch the depth that makes its backward ``ratio`` x T_comm. Only the dense arch can hide the
@@ -65,11 +69,11 @@ from _common import (
     csv_row,
     dense_layer_backward_s,
     git_sha,
-    load_average,
     parse_ratios,
     plot_efficiency_curves,
     progress,
-    slowest_rank_median,
+    runnable_tasks,
+    slowest_rank_samples,
     summarize,
     sweep_case,
     sweep_cases,
@@ -102,9 +106,7 @@ RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
 QUICK_RATIOS = (0.5, 1.0, 2.0)
 # Untimed all_to_alls before T_comm is calibrated: a process's first is slower (moe_sync.py: 1.5x).
 WARMUP_ALL_TO_ALLS = 3
-# T_comm's calibration: the slower rank's all_to_all is ~36 ms 3 times in 4 and ~20 ms otherwise here
-# (_common.slowest_rank_median). With 9 calls a median of 20 ms (the sweep's depths all half what was asked)
-# needs 5 in the rarer mode, about 1 run in 20; with 25 calls, 13, about 1 in 300. ~1 s.
+# T_comm: the median of this many all_to_alls back to back, the slower rank's (_common.slowest_rank_samples), ~1 s.
 COMM_CALIBRATION_REPS = 25
 LEARNING_RATE = 0.01
 # TorchRec's Req/Wait pair for pooled embeddings: which node launches the backward all_to_all, which waits.
@@ -162,7 +164,12 @@ def _dlrm(dense_layers: int):
         topology=Topology(world_size=WORLD_SIZE, compute_device="cpu"), constraints=constraints
     )
     plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    # No DistributedDataParallel around the dense part (init_data_parallel=False): DDP's all_reduce of the dense
+    # gradients (256 KiB a layer) shares the one link with the all_to_all, and at the x2 point (~47 layers) took
+    # ~100 ms of it, so the dense arch's backward was set by that traffic rather than by its compute.
+    return DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=plan, sharders=[sharder], init_data_parallel=False
+    )
 
 
 def _batch(rank: int, step: int):
@@ -297,7 +304,8 @@ def _run_rank(config: Config) -> list[dict]:
     try:
         for _ in range(WARMUP_ALL_TO_ALLS):
             _comm_only()
-        t_comm = slowest_rank_median(_comm_only, COMM_CALIBRATION_REPS)
+        comm_s = slowest_rank_samples(_comm_only, COMM_CALIBRATION_REPS)
+        t_comm = statistics.median(comm_s)
         t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps))
         traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
         points, timeline = [], None
@@ -320,7 +328,7 @@ def _run_rank(config: Config) -> list[dict]:
                 title=f"TorchRec DLRM backward on rank 0 under torch_ext ({timeline[1]} dense layers)",
             )
             print(f"wrote {config.timeline_png}")
-        result = {"points": points, "t_comm_s": t_comm, "t_layer_s": t_layer}
+        result = {"points": points, "comm_s": comm_s, "t_layer_s": t_layer}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         return gathered
@@ -348,19 +356,19 @@ def slowest_rank(results: list[dict]) -> dict:
 
 
 def report(result: dict, link: str, out: str, load: Summary | None = None) -> None:
-    """Prints the table and writes the CSV; ``load``: the load average while the ranks ran, where known."""
+    """Prints the table and writes the CSV; ``load``: the runnable tasks while the ranks ran, where known."""
     sha = git_sha()
     print(
         f"\nrecsys_torchrec: DLRM {TABLES} tables x {DIM}d table-wise, {link}; calibration: T_comm "
-        f"{result['t_comm_s'] * 1e3:.1f} ms, one dense layer {result['t_layer_s'] * 1e3:.2f} ms"
+        f"{statistics.median(result['comm_s']) * 1e3:.1f} ms, one dense layer {result['t_layer_s'] * 1e3:.2f} ms"
     )
     print(
         f"{'ratio':>5} {'layers':>6} {'variant':<10} {'step ms: median [p20-p80]':<26} {'/stock':>6} "
         f"{'backward ms':<22} {'/stock':>6} {'exposed ms':>10} {'efficiency':>10} {'ideal':>5}"
     )
-    # One T_comm for the sweep: the same bytes at every point, and a few samples' median can land in the rarer
-    # of the transfer's two modes (_common.slowest_rank_median).
-    all_comm = summarize([t * 1e3 for point in result["points"] for t in point["samples"]["comm"]["backward_s"]])
+    # One T_comm for the sweep, from all_to_alls back to back: the comm variant timed between steps often ran in
+    # the link's faster mode, which the steps do not see (_common.slowest_rank_samples).
+    all_comm = summarize([t * 1e3 for t in result["comm_s"]])
     t_comm = all_comm.median / 1e3
     scenario = f"DLRM {TABLES} tables x {DIM}d table-wise"
     rows = [csv_row("comm", "recsys", f"{scenario}, {link}", "t_comm_ms", all_comm, sha)]
@@ -390,11 +398,13 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
         rows.append(csv_row("comm", case, size, "backward_ms", comm, sha))
         print(f"{point['ratio']:5g} {point['dense_layers']:6d} {'comm':<10} {'':<26} {'':>6} {comm!s:<22}")
     if load is not None:
-        rows.append(csv_row("machine", "recsys", link, "load_average", load, sha))
+        rows.append(csv_row("machine", "recsys", link, "runnable_tasks", load, sha))
     write_csv(out, rows)
-    print(f"T_comm {all_comm} ms (every point's comm; efficiency = 1 - exposed / its median)")
+    print(
+        f"T_comm {all_comm} ms ({len(result['comm_s'])} all_to_alls back to back; efficiency = 1 - exposed / its median)"
+    )
     if load is not None:
-        print(f"load average while the ranks ran: {load} (the ranks make ~2; more: other processes on the cores)")
+        print(f"runnable tasks while the ranks ran: {load} (the ranks make 2; more: other processes on the 2 cores)")
     print(f"wrote {out}")
 
 
@@ -451,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
     )
     forwarded = sys.argv[1:] if argv is None else list(argv)
-    with load_average() as load:
+    with runnable_tasks() as load:
         run = run_on_two_hosts(__file__, forwarded, mode=args.network)
     report(slowest_rank(run.results), run.network.label, args.out, load())
     return 0
@@ -496,9 +506,9 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
         )
         if variant == "stock":
             notes += f"; T_comm {t_comm:.3g} ms, {scenario}"
-            load = rows.get(("machine", "recsys", "load_average"))
+            load = rows.get(("machine", "recsys", "runnable_tasks"))
             if load is not None:
-                notes += f"; load average {load['median']:.1f}"
+                notes += f"; runnable tasks {load['median']:g} (the ranks: 2)"
         summary.append(
             SummaryRow(
                 "recsys_torchrec",

@@ -143,7 +143,7 @@ def overlap_sweep_rows(link: str) -> list[tuple]:
     """benchmarks/overlap.py's CSV of a two-point sweep (x0.5: 20 dense layers, x2: 80), T_comm 40 ms."""
     rows = [
         ("comm", "overlap", f"256d x 4096 rows, {link}", "t_comm_ms", 40, 36, 42),
-        ("machine", "overlap", link, "load_average", 2.3, 2.1, 2.4),
+        ("machine", "overlap", link, "runnable_tasks", 3, 2, 4),
     ]
     for ratio, layers, compute, ext_efficiency in ((0.5, 20, 50, 0.4), (2, 80, 110, 0.9)):
         size = f"256d x 4096 rows, {layers} dense layers, {link}"
@@ -234,7 +234,7 @@ def test_overlap_summary_is_the_sweep_and_its_plot_the_curve(tmp_path):
     assert ours.values["ratio"] == pytest.approx((74 / 86 + 114 / 146) / 2)
     assert "x0.5: 0.40, x2: 0.90" in ours.notes
     # With what else ran on the machine meanwhile: overlap figures move under other processes' load.
-    assert "T_comm 40 ms, 256d x 4096 rows; load average 2.3" in summary["stock"].notes
+    assert "T_comm 40 ms, 256d x 4096 rows; runnable tasks 3 (the ranks: 2)" in summary["stock"].notes
 
     from matplotlib.figure import Figure
 
