@@ -91,6 +91,7 @@ from _hosts import (
 )
 
 import torch_ext
+from torch_ext.testing import dlrm_batch, sharded_dlrm
 
 WORLD_SIZE = 2
 TABLES = 8
@@ -130,58 +131,31 @@ def has_torchrec() -> bool:
 
 
 def _dlrm(dense_layers: int):
-    import torchrec
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.distributed.types import ShardingType
-    from torchrec.models.dlrm import DLRM
-
-    torch.manual_seed(0)
-    tables = [
-        torchrec.EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
-        for i in range(TABLES)
-    ]
-    model = DLRM(
-        embedding_bag_collection=torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
-        dense_in_features=DENSE_FEATURES,
-        dense_arch_layer_sizes=[HIDDEN] * dense_layers + [DIM],
-        over_arch_layer_sizes=[HIDDEN, 1],
-        dense_device=torch.device("cpu"),
-    )
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LEARNING_RATE}
-    )
-    constraints = {
-        table.name: ParameterConstraints(
-            sharding_types=[ShardingType.TABLE_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
-        )
-        for table in tables
-    }
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=WORLD_SIZE, compute_device="cpu"), constraints=constraints
-    )
-    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
-    # No DistributedDataParallel around the dense part (init_data_parallel=False): DDP's all_reduce of the dense
-    # gradients (256 KiB a layer) shares the one link with the all_to_all, and at the x2 point (~47 layers) took
-    # ~100 ms of it, so the dense arch's backward was set by that traffic rather than by its compute.
-    return DistributedModelParallel(
-        model, device=torch.device("cpu"), plan=plan, sharders=[sharder], init_data_parallel=False
+    # No DistributedDataParallel around the dense part: DDP's all_reduce of the dense gradients (256 KiB a layer)
+    # shares the one link with the all_to_all, and at the x2 point (~47 layers) took ~100 ms of it, so the dense
+    # arch's backward was set by that traffic rather than by its compute.
+    return sharded_dlrm(
+        tables=TABLES,
+        rows=ROWS,
+        dim=DIM,
+        dense_features=DENSE_FEATURES,
+        dense_layer_sizes=[HIDDEN] * dense_layers + [DIM],
+        over_layer_sizes=[HIDDEN, 1],
+        learning_rate=LEARNING_RATE,
+        world_size=WORLD_SIZE,
+        data_parallel=False,
     )
 
 
 def _batch(rank: int, step: int):
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    generator = torch.Generator().manual_seed(1000 * step + rank)
-    dense = torch.randn(BATCH, DENSE_FEATURES, generator=generator)
-    lengths = torch.randint(1, 4, (TABLES * BATCH,), generator=generator)
-    values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=generator)
-    sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(TABLES)], values=values, lengths=lengths)
-    labels = torch.randint(0, 2, (BATCH,), generator=generator).float()
-    return dense, sparse, labels
+    return dlrm_batch(
+        seed=1000 * step + rank,
+        batch=BATCH,
+        dense_features=DENSE_FEATURES,
+        tables=TABLES,
+        rows=ROWS,
+        ids_per_bag=(1, 4),
+    )
 
 
 class WaitTimer:

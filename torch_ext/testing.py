@@ -23,11 +23,13 @@ def sharded_dlrm(
     over_layer_sizes: Sequence[int],
     learning_rate: float,
     world_size: int,
+    data_parallel: bool = True,
 ) -> torch.nn.Module:
     """A DLRM whose EmbeddingBagCollection (``tables`` tables ``t0``... of ``rows`` x ``dim``, feature ``f<i>`` each)
     is sharded table-wise over the default group's ranks by DistributedModelParallel, with the fused CPU kernel
     (EXACT_SGD at ``learning_rate``: the tables are updated inside backward). ``dense_layer_sizes`` ends in ``dim``.
-    Its dense parameters start from seed 0 on every rank."""
+    Its dense parameters start from seed 0 on every rank; with ``data_parallel`` DistributedModelParallel wraps them
+    in DistributedDataParallel."""
     import torchrec
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -62,7 +64,9 @@ def sharded_dlrm(
         topology=Topology(world_size=world_size, compute_device="cpu"), constraints=constraints
     )
     plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    return DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=plan, sharders=[sharder], init_data_parallel=data_parallel
+    )
 
 
 def dlrm_batch(
