@@ -14,3 +14,16 @@ except ImportError:
 @pytest.fixture(autouse=True)
 def seed_torch():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_intra_op_thread():
+    """One intra-op thread while a test runs (modules that need it: ``pytestmark = pytest.mark.usefixtures(...)``).
+
+    On this busy 2-core machine OpenMP's second thread made tiny graphs many times slower: a round of
+    test_threads' graphs took 1-13 s instead of 0.3 s, and test_verify's backward calls stalled for ~0.5 s.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

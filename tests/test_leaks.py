@@ -33,6 +33,9 @@ from torch.autograd.function import BackwardCFunction
 
 import torch_ext
 
+# Graphs far too small to gain from intra-op threads (conftest.py).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 ITERATIONS = 1000
 WARMUP_ITERATIONS = 20  # lazily made state: .grad of the parameters, allocator pools
 BATCH = FEATURES = 64
@@ -186,16 +189,6 @@ def _growth(step: Callable[[], None]) -> Census:
     for _ in range(ITERATIONS):
         step()
     return _census() - before
-
-
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    # These graphs are far too small to gain from intra-op threads, which on a busy 2-core machine
-    # make every step many times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))

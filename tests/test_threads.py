@@ -22,6 +22,9 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_ext
 
+# Graphs far too small to gain from intra-op threads (conftest.py).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 THREADS = 4
 ITERATIONS = 25
 JOIN_TIMEOUT_S = 60
@@ -30,16 +33,6 @@ RENDEZVOUS_TIMEOUT_S = 20
 
 class InjectedError(Exception):
     pass
-
-
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    # The Python threads are the parallelism under test. Intra-op threads on top of them
-    # oversubscribe two cores: with them a round of these tiny graphs took 1-13 s instead of 0.3 s.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run_in_threads(work: Callable[[int], object], count: int = THREADS) -> list[object]:

@@ -25,14 +25,8 @@ import torch_ext
 from torch_ext.__main__ import main as torch_ext_main
 from torch_ext.verify import _verify
 
-
-@pytest.fixture(autouse=True)
-def one_intra_op_thread():
-    # Two cores shared with other processes: OpenMP's second thread stalled backward calls for ~0.5 s here.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Graphs far too small to gain from intra-op threads (conftest.py).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _mlp(dropout: float = 0.0) -> nn.Sequential:
