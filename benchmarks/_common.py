@@ -272,15 +272,15 @@ def plot_efficiency_curves(ax, rows: Sequence[SummaryRow], title: str) -> None:
 
 
 def slowest_rank_samples(measure: Callable[[], float], reps: int) -> list[float]:
-    """In a benchmark's rank, on every rank: ``reps`` calls of ``measure()`` (each starting the ranks together, as
-    ``_hosts.timed_all_to_all`` does), each call's value the slowest rank's.
+    """In a benchmark's rank, on every rank: ``reps`` calls of ``measure()`` (each starting the ranks together),
+    each call's value the slowest rank's.
 
-    For T_comm, from all_to_alls back to back. On the shaped veth the time of one all_to_all of 2 MiB each way has
-    two modes: back to back, the slower rank's took 36-40 ms in 10 calls of 10, as long as stock's steps wait for
-    the whole transfer (36-38 ms in recsys_torchrec, 36 in overlap); started after 100 ms of compute it took ~19 ms
-    (both directions at the link's rate) in 5 of 10, so the comm variants timed between the steps of a sweep gave
-    medians of 36, 28 and 24 ms in three runs, and efficiencies with them. The ranks' own times differ within a
-    call (one rank 20 ms, the other 36), hence the slowest rank per call.
+    For T_comm, the benchmarks measure how long stock's backward waits for the collective where nothing can hide
+    it: on the shaped veth that was 35-38 ms for 2 MiB each way in every run, loaded or not. The all_to_all alone
+    was not a steady yardstick: back to back or between steps, the slower rank's took either ~36 or ~19 ms (both
+    directions at the link's rate), and which of the two dominated changed from run to run (medians of 36, 28 and
+    24 ms between steps in three runs; 24 ms for 25 back to back in a fourth, then 36-38 ms in its steps). The
+    ranks' own times differ within a call (one rank 20 ms, the other 36), hence the slowest rank per call.
     """
     import torch.distributed as dist
 
@@ -294,21 +294,29 @@ CALIBRATION_LAYERS = 8
 
 
 def dense_layer_backward_s(hidden: int, rows: int, reps: int) -> float:
-    """Seconds of one Linear(hidden, hidden) + ReLU layer's backward at ``rows`` rows: the median of ``reps``
-    backward calls of a stack of CALIBRATION_LAYERS such layers (``median_backward_s``), over their number; this
+    """Seconds of one Linear(hidden, hidden) + ReLU layer's backward at ``rows`` rows: the lower quartile of ``reps``
+    backward calls of a stack of CALIBRATION_LAYERS such layers (after one untimed call), over their number; this
     process's, timed while the other rank times its own.
 
     A stack, not one layer: a median of 9 calls of 1-2 ms spans ~20 ms, and a moment of another process's load set
-    the whole sweep's depths (one layer read 5.4 ms instead of 1.9 beside a pytest run). The median, not the
-    fastest call: the fastest (0.82-0.96 ms at 256 x 256, 256 rows) is the layer on a core of its own, and inside
-    the two ranks' backward, side by side on the 2 cores, the layers took 1.26 ms each, so every point sat 1.3x to
-    the right of its ratio. Beside other processes' load any calibration moves; the benchmarks record the load.
+    the whole sweep's depths (one layer read 5.4 ms instead of 1.9 beside a pytest run). The lower quartile, not
+    the median: with nothing else running, medians of 9 calls of the stack still read 1.57, 2.89 and 1.86 ms in
+    three runs of recsys_torchrec (a few slow calls are enough), and the x1 point's efficiency went 0.99, 0.49,
+    0.90 with them. Not the fastest call either: that one (0.82-0.96 ms for overlap's layer) understates the layers
+    inside the two ranks' backward (1.0-1.2 ms there), the lower quartile less so.
     """
     stack = torch.nn.Sequential(
         *(torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU()) for _ in range(CALIBRATION_LAYERS))
     )
     x = torch.randn(rows, hidden)
-    return median_backward_s(lambda: stack(x).sum(), reps) / CALIBRATION_LAYERS
+    stack(x).sum().backward()
+    times = []
+    for _ in range(reps):
+        loss = stack(x).sum()
+        start = time.perf_counter()
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    return statistics.quantiles(times, n=4, method="inclusive")[0] / CALIBRATION_LAYERS
 
 
 def _runnable_tasks() -> int:

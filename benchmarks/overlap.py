@@ -27,15 +27,15 @@ not timed), the slowest rank's time counting for the step:
                      stock engine: the compute of stock and stock+seq_nr
   compute(torch_ext) the same on torch_ext's engine: the compute of torch_ext and torch_ext(funcol)
                      (torch_ext's engine alone ran this graph's backward 2-7% faster than stock's)
-  comm               the backward all_to_all alone, between the steps (reported; T_comm itself is from
-                     25 all_to_alls of the same bytes back to back: _common.slowest_rank_samples)
+  comm               the backward all_to_all alone, between the steps (reported; T_comm is stock's
+                     wait with no dense layer: _common.slowest_rank_samples)
 
 The all_to_all sends ``--payload-mib`` MiB to the other rank. The dense MLP's backward is swept over
 multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script times the all_to_all
 alone and one dense layer's backward (both ranks agree on the larger) and builds the depth that makes
 the dense backward ``ratio`` x T_comm. At each point, per repetition, exposed communication = the time the
 backward's thread was blocked (waiting for the all_to_all's bytes: ``_common.timed_blocking``), the slower
-rank's, and overlap efficiency = 1 - exposed / T_comm (T_comm the median of the back-to-back ones): 1 when the
+rank's, and overlap efficiency = 1 - exposed / T_comm (stock's wait with no dense layer): 1 when the
 communication is completely hidden, 0 when it is fully exposed. Beside it, the backward's excess over its
 engine's compute variant (``over_compute_ms``): what the communication costs the step in all, noisier.
 Only the dense MLP can hide it (the embedding's backward needs its result), so the ideal is
@@ -102,7 +102,6 @@ from _hosts import (
     agreed_max,
     leave_rank,
     run_on_two_hosts,
-    timed_all_to_all,
     write_rank_result,
 )
 from torch import nn
@@ -123,10 +122,11 @@ MAX_DENSE_LAYERS = 240
 # The dense backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
 RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
 QUICK_RATIOS = (0.5, 1.0, 2.0)
-# Untimed all_to_alls before T_comm is calibrated: a process's first is slower (moe_sync.py: 1.5x).
-WARMUP_ALL_TO_ALLS = 3
-# T_comm: the median of this many all_to_alls back to back, the slower rank's (_common.slowest_rank_samples), ~1 s.
-COMM_CALIBRATION_REPS = 25
+# T_comm: how long stock's backward waits for the all_to_all with no dense layer to hide it behind, the slower
+# rank's (_common.slowest_rank_samples): the median of this many steps, after a few untimed ones (a process's first
+# all_to_all is slower: 1.5x in moe_sync.py). ~2 s.
+WARMUP_STEPS = 3
+COMM_CALIBRATION_REPS = 15
 # _set_sequence_nr boost, as PR #114120 suggests: above every sequence number a forward makes.
 SEQUENCE_NR_BOOST = 2**62
 
@@ -278,11 +278,11 @@ def _run_rank(config: Config) -> list[dict]:
     rank = dist.get_rank()
     try:
         dim = config.embedding_dim
-        # The bytes of the backward's all_to_all: half of every rank's rows to the other rank.
-        send = torch.randn(BATCH * FEATURES, dim)
-        for _ in range(WARMUP_ALL_TO_ALLS):
-            timed_all_to_all(send)
-        comm_s = slowest_rank_samples(lambda: timed_all_to_all(send), COMM_CALIBRATION_REPS)
+        torch.manual_seed(rank)
+        probe, inputs = Model(dim, 0), (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))
+        for _ in range(WARMUP_STEPS):
+            _step(probe, inputs, "stock", dim)
+        comm_s = slowest_rank_samples(lambda: _step(probe, inputs, "stock", dim)[1], COMM_CALIBRATION_REPS)
         t_comm = statistics.median(comm_s)
         t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps))
         # The timeline is of the point nearest ratio 1, where the two orders differ most.
@@ -503,8 +503,8 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
         f"{'ratio':>5} {'layers':>6} {'variant':<18} {'backward ms: median [p20-p80]':<30} {'/stock':>6} "
         f"{'exposed ms':>10} {'efficiency':>10} {'ideal':>5} {'- compute ms':>12}"
     )
-    # One T_comm for the sweep, from all_to_alls back to back: the comm variant timed between steps often ran in
-    # the link's faster mode, which the steps do not see (_common.slowest_rank_samples).
+    # One T_comm for the sweep: stock's wait with no dense layer (_common.slowest_rank_samples says why not the
+    # comm variant).
     comm = summarize([t * 1e3 for t in calibration["comm_s"]])
     t_comm = comm.median / 1e3
     rows = [csv_row("comm", "overlap", f"{result['dim']}d x {BATCH * FEATURES} rows, {link}", "t_comm_ms", comm, sha)]
@@ -540,7 +540,8 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
         rows.append(csv_row("machine", "overlap", link, "runnable_tasks", load, sha))
     write_csv(out, rows)
     print(
-        f"T_comm {comm} ms ({len(calibration['comm_s'])} all_to_alls back to back; efficiency = 1 - exposed / its median)"
+        f"T_comm {comm} ms (stock's wait with no dense layer, {len(calibration['comm_s'])} steps; "
+        "efficiency = 1 - exposed / its median)"
     )
     if load is not None:
         print(f"runnable tasks while the ranks ran: {load} (the ranks make 2; more: other processes on the 2 cores)")
@@ -571,7 +572,7 @@ def _config(args: argparse.Namespace) -> Config:
         warmup=1 if args.quick else 2,
         # Calls of the calibration's stack of layers (_common.dense_layer_backward_s), timed while the other rank
         # times its own on the second core.
-        calibration_reps=9 if args.quick else 15,
+        calibration_reps=15 if args.quick else 21,
         timeline_png=timeline_png,
     )
 

@@ -17,7 +17,7 @@ Variants, alternating within every repetition, the slowest rank's time counting:
   stock      the training step on PyTorch's engine
   torch_ext  the same step under ``torch_ext.enabled()``
   comm       the backward all_to_all alone: ``dist.all_to_all_single`` of the same pooled gradient
-             bytes, between the steps (reported; T_comm itself is from 25 back to back, below)
+             bytes, between the steps (reported; T_comm is stock's wait with no dense layer, below)
 
 Each step is timed as a whole (forward, backward, the dense SGD update; the tables' update is fused into
 their backward) and its backward alone. The exposed communication is the time the wait node
@@ -25,8 +25,8 @@ their backward) and its backward alone. The exposed communication is the time th
 slower rank's; overlap efficiency = 1 - exposed / T_comm: 0 when the whole transfer is waited for there, 1
 when it had already arrived. (moe_sync.py takes the exposed time as the backward minus a communication-free
 backward's; TorchRec's sharded collection has no communication-free form that computes the same, and the wait
-node is where the step blocks on the transfer.) T_comm is the median of 25 all_to_alls of the same bytes back
-to back, the slower rank's: as long as stock's step waits for the whole transfer (_common.slowest_rank_samples).
+node is where the step blocks on the transfer.) T_comm is how long stock's wait node blocks in a DLRM with
+no dense layer to hide the transfer behind, the median of 15 steps' slower rank (_common.slowest_rank_samples).
 
 The dense arch is not wrapped in DistributedDataParallel (``init_data_parallel=False``): DDP's all_reduce of its
 gradients would share the link with the all_to_all and set the dense arch's backward by its traffic.
@@ -105,10 +105,11 @@ MAX_DENSE_LAYERS = 160
 # The dense arch's backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
 RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
 QUICK_RATIOS = (0.5, 1.0, 2.0)
-# Untimed all_to_alls before T_comm is calibrated: a process's first is slower (moe_sync.py: 1.5x).
-WARMUP_ALL_TO_ALLS = 3
-# T_comm: the median of this many all_to_alls back to back, the slower rank's (_common.slowest_rank_samples), ~1 s.
-COMM_CALIBRATION_REPS = 25
+# T_comm: how long stock's backward waits for the all_to_all with no dense layer to hide it behind, the slower
+# rank's (_common.slowest_rank_samples): the median of this many steps, after a few untimed ones (a process's first
+# all_to_all is slower: 1.5x in moe_sync.py). ~2 s.
+WARMUP_STEPS = 3
+COMM_CALIBRATION_REPS = 15
 LEARNING_RATE = 0.01
 # TorchRec's Req/Wait pair for pooled embeddings: which node launches the backward all_to_all, which waits.
 LAUNCH, WAIT = "All2All_Pooled_WaitBackward", "All2All_Pooled_ReqBackward"
@@ -276,9 +277,14 @@ def _run_rank(config: Config) -> list[dict]:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     try:
-        for _ in range(WARMUP_ALL_TO_ALLS):
-            _comm_only()
-        comm_s = slowest_rank_samples(_comm_only, COMM_CALIBRATION_REPS)
+        probe = _dlrm(0)
+        probe_params = [p for name, p in probe.named_parameters() if "embedding_bags" not in name]
+        probe_batch, wait_timer = _batch(rank, 0), WaitTimer()
+        for _ in range(WARMUP_STEPS):
+            _step(probe, probe_params, probe_batch, "stock", wait_timer)
+        comm_s = slowest_rank_samples(
+            lambda: _step(probe, probe_params, probe_batch, "stock", wait_timer)[2], COMM_CALIBRATION_REPS
+        )
         t_comm = statistics.median(comm_s)
         t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps))
         traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
@@ -340,8 +346,8 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
         f"{'ratio':>5} {'layers':>6} {'variant':<10} {'step ms: median [p20-p80]':<26} {'/stock':>6} "
         f"{'backward ms':<22} {'/stock':>6} {'exposed ms':>10} {'efficiency':>10} {'ideal':>5}"
     )
-    # One T_comm for the sweep, from all_to_alls back to back: the comm variant timed between steps often ran in
-    # the link's faster mode, which the steps do not see (_common.slowest_rank_samples).
+    # One T_comm for the sweep: stock's wait with no dense layer (_common.slowest_rank_samples says why not the
+    # comm variant).
     all_comm = summarize([t * 1e3 for t in result["comm_s"]])
     t_comm = all_comm.median / 1e3
     scenario = f"DLRM {TABLES} tables x {DIM}d table-wise"
@@ -375,7 +381,8 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
         rows.append(csv_row("machine", "recsys", link, "runnable_tasks", load, sha))
     write_csv(out, rows)
     print(
-        f"T_comm {all_comm} ms ({len(result['comm_s'])} all_to_alls back to back; efficiency = 1 - exposed / its median)"
+        f"T_comm {all_comm} ms (stock's wait with no dense layer, {len(result['comm_s'])} steps; "
+        "efficiency = 1 - exposed / its median)"
     )
     if load is not None:
         print(f"runnable tasks while the ranks ran: {load} (the ranks make 2; more: other processes on the 2 cores)")
@@ -397,7 +404,7 @@ def _config(args: argparse.Namespace) -> Config:
         warmup=1 if args.quick else 2,
         # Calls of the calibration's stack of layers (_common.dense_layer_backward_s), timed while the other rank
         # times its own on the second core.
-        calibration_reps=9 if args.quick else 15,
+        calibration_reps=15 if args.quick else 21,
         timeline_png=timeline_png,
     )
 
