@@ -39,7 +39,9 @@ rank's, and overlap efficiency = 1 - exposed / T_comm (stock's wait with no dens
 communication is completely hidden, 0 when it is fully exposed. Beside it, the backward's excess over its
 engine's compute variant (``over_compute_ms``): what the communication costs the step in all, noisier.
 Only the dense MLP can hide it (the embedding's backward needs its result), so the ideal is
-min(1, ratio).
+min(1, ratio). Each point is placed at its dense backward / T_comm as the sweep measured it (the slope of the
+compute variants' backward against the depth: ``_common.measured_ratios``); bench's headline is the mean of
+the efficiency curve read at the ratios asked for.
 
 On this machine's loopback, gloo's transfer is kernel memcpy on the same two cores the ranks compute
 on, so nothing can overlap (DESIGN.md, "Measuring overlap on this machine"). A real NIC moves bytes
@@ -82,8 +84,10 @@ from _common import (
     Summary,
     SummaryRow,
     csv_row,
+    curve_at,
     dense_layer_backward_s,
     git_sha,
+    measured_ratios,
     parse_ratios,
     plot_efficiency_curves,
     progress,
@@ -508,12 +512,22 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
     comm = summarize([t * 1e3 for t in calibration["comm_s"]])
     t_comm = comm.median / 1e3
     rows = [csv_row("comm", "overlap", f"{result['dim']}d x {BATCH * FEATURES} rows, {link}", "t_comm_ms", comm, sha)]
-    for point in result["points"]:
+    # Where each point sits: its dense backward / T_comm as the sweep's compute-only backward measured it (both
+    # engines' medians, averaged), rather than as the calibration predicted.
+    compute_s = [
+        statistics.mean(statistics.median(point["times"][name]) for name in ("compute", "compute(torch_ext)"))
+        for point in result["points"]
+    ]
+    dense_ratios = measured_ratios([point["dense_layers"] for point in result["points"]], compute_s, t_comm)
+    for index, point in enumerate(result["points"]):
         times = point["times"]
         stock = statistics.median(times["stock"])
         ideal = min(1.0, point["ratio"])
         case = sweep_case("overlap", point["ratio"])
         size = f"{result['dim']}d x {BATCH * FEATURES} rows, {point['dense_layers']} dense layers, {link}"
+        if dense_ratios is not None:
+            measured = dense_ratios[index]
+            rows.append(csv_row("compute", case, size, "dense_ratio", Summary(measured, measured, measured), sha))
         for variant in VARIANTS:
             backward = summarize([t * 1e3 for t in times[variant]])
             rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
@@ -539,6 +553,10 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
     if load is not None:
         rows.append(csv_row("machine", "overlap", link, "runnable_tasks", load, sha))
     write_csv(out, rows)
+    if dense_ratios is not None:
+        print(
+            f"dense backward / T_comm as the compute variants measured it: {', '.join(f'{r:.2f}' for r in dense_ratios)}"
+        )
     print(
         f"T_comm {comm} ms (stock's wait with no dense layer, {len(calibration['comm_s'])} steps; "
         "efficiency = 1 - exposed / its median)"
@@ -568,11 +586,11 @@ def _config(args: argparse.Namespace) -> Config:
     return Config(
         payload_mib=args.payload_mib or (2.0 if args.quick else 4.0),
         ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
-        reps=args.reps or (8 if args.quick else 20),
+        reps=args.reps or (12 if args.quick else 20),
         warmup=1 if args.quick else 2,
         # Calls of the calibration's stack of layers (_common.dense_layer_backward_s), timed while the other rank
         # times its own on the second core.
-        calibration_reps=15 if args.quick else 21,
+        calibration_reps=25 if args.quick else 31,
         timeline_png=timeline_png,
     )
 
@@ -627,14 +645,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_rows(rows: dict) -> list[SummaryRow]:
-    """One row per variant with a collective. The headline is the sweep's mean overlap efficiency, beside the
-    ideal's mean; backward time against stock is the median over the sweep."""
+    """One row per variant with a collective. The headline is the mean of the efficiency curve read at the sweep's
+    ratios (each point placed at its measured dense/comm ratio: ``measured_ratios``), beside the ideal's mean;
+    backward time against stock is the median over the sweep."""
     points = sweep_cases(rows, "stock", "efficiency")
     # "<dim>d x <rows> rows, <n> dense layers, <link>": the link (whether anything can overlap) names the case.
     scenario, _, link = rows[("stock", points[0][1], "backward_ms")]["size"].rpartition(", ")
     scenario = scenario.rpartition(", ")[0]
     ideal = statistics.mean(min(1.0, ratio) for ratio, _ in points)
     t_comm = rows[("comm", "overlap", "t_comm_ms")]["median"]
+    # Where the run measured each point (none in a one-point sweep: the ratio asked for).
+    measured = {
+        ratio: rows[("compute", case, "dense_ratio")]["median"]
+        for ratio, case in points
+        if ("compute", case, "dense_ratio") in rows
+    }
     summary = []
     for variant in (v for v in COLLECTIVE_VARIANTS if (v, points[0][1], "efficiency") in rows):
         efficiencies = [rows[(variant, case, "efficiency")]["median"] for _, case in points]
@@ -643,16 +668,21 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
             rows[(variant, case, "backward_ms")]["median"] / rows[("stock", case, "backward_ms")]["median"]
             for _, case in points
         ]
-        mean_efficiency = statistics.mean(efficiencies)
+        curve = [(measured.get(ratio, ratio), eff) for (ratio, _), eff in zip(points, efficiencies, strict=True)]
+        mean_efficiency = statistics.mean(curve_at(curve, ratio) for ratio, _ in points)
         values = {
             "efficiency": mean_efficiency,
             "ideal_efficiency": ideal,
             "exposed_ms": statistics.mean(exposed),
             "ratio": statistics.median(backward_ratios),
-            # The curve, for the plot.
+            # The curve, for the plot: each point's efficiency and where it sits.
             **{f"efficiency x{ratio:g}": eff for (ratio, _), eff in zip(points, efficiencies, strict=True)},
+            **{f"dense_ratio x{ratio:g}": at for ratio, at in measured.items()},
         }
-        per_point = ", ".join(f"x{ratio:g}: {eff:.2f}" for (ratio, _), eff in zip(points, efficiencies, strict=True))
+        per_point = ", ".join(
+            f"x{ratio:g}{f' (measured {measured[ratio]:.2f})' if ratio in measured else ''}: {eff:.2f}"
+            for (ratio, _), eff in zip(points, efficiencies, strict=True)
+        )
         notes = f"efficiency by dense/comm ratio {per_point}; exposed {values['exposed_ms']:.1f} ms on average"
         if variant == "stock":
             notes += f"; T_comm {t_comm:.3g} ms, {scenario}"

@@ -400,11 +400,11 @@ def _config(args: argparse.Namespace) -> Config:
             timeline_png = os.path.abspath(args.timeline)
     return Config(
         ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
-        reps=args.reps or (7 if args.quick else 20),
+        reps=args.reps or (11 if args.quick else 20),
         warmup=1 if args.quick else 2,
         # Calls of the calibration's stack of layers (_common.dense_layer_backward_s), timed while the other rank
         # times its own on the second core.
-        calibration_reps=15 if args.quick else 21,
+        calibration_reps=25 if args.quick else 31,
         timeline_png=timeline_png,
     )
 
