@@ -249,46 +249,13 @@ def sweep_cases(rows: dict, what: str, metric: str) -> list[tuple[float, str]]:
     ]
 
 
-def measured_ratios(depths: Sequence[int], compute_s: Sequence[float], t_comm: float) -> list[float] | None:
-    """Each sweep point's dense backward / T_comm as the run measured it: the slope of the compute-only backward's
-    median against the depth over the sweep (least squares) times the point's depth, over ``t_comm``. None with
-    fewer than two depths or a slope that is not positive.
-
-    The calibration's one-layer time sets the depths, and on these shared cores it moved by 30% between quiet runs
-    (overlap: 1.00, 1.04 and 1.36 ms in three runs whose sweeps' compute gave 1.00, 0.91 and 0.98 ms per layer),
-    moving the x0.5 point's efficiency by 0.2 with it.
-    """
-    if len(set(depths)) < 2:
-        return None
-    mean_depth, mean_time = statistics.mean(depths), statistics.mean(compute_s)
-    slope = sum((d - mean_depth) * (t - mean_time) for d, t in zip(depths, compute_s, strict=True)) / sum(
-        (d - mean_depth) ** 2 for d in depths
-    )
-    return [slope * d / t_comm for d in depths] if slope > 0 else None
-
-
-def curve_at(points: Sequence[tuple[float, float]], x: float) -> float:
-    """The polyline through ``points`` (x, y) at ``x``: linear between the two points around it, extended from the
-    two nearest beyond the ends; one point's y when there is one."""
-    points = sorted(points)
-    if len(points) == 1:
-        return points[0][1]
-    index = min(max(1, sum(px < x for px, _ in points)), len(points) - 1)
-    (x0, y0), (x1, y1) = points[index - 1], points[index]
-    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
 def plot_efficiency_curves(ax, rows: Sequence[SummaryRow], title: str) -> None:
-    """Each row's overlap efficiency against dense backward / T_comm: its ``"efficiency x<ratio>"`` values, each
-    drawn at its ``"dense_ratio x<ratio>"`` where the run measured one, else at the ratio; and the ideal, min(1,
-    ratio), dashed."""
+    """Each row's overlap efficiency against dense backward / T_comm (its ``"efficiency x<ratio>"`` values),
+    and the ideal, min(1, ratio), dashed."""
     ratios: list[float] = []
     for row in rows:
         curve = sorted(
-            (
-                row.values.get(key.replace("efficiency x", "dense_ratio x"), float(key.removeprefix("efficiency x"))),
-                value,
-            )
+            (float(key.removeprefix("efficiency x")), value)
             for key, value in row.values.items()
             if key.startswith("efficiency x")
         )
@@ -326,25 +293,27 @@ def slowest_rank_samples(measure: Callable[[], float], reps: int) -> list[float]
 CALIBRATION_LAYERS = 8
 
 
-def dense_layer_backward_s(hidden: int, rows: int, reps: int) -> float:
-    """Seconds of one Linear(hidden, hidden) + ReLU layer's backward at ``rows`` rows: the lower quartile of ``reps``
-    backward calls of a stack of CALIBRATION_LAYERS such layers (after one untimed call), over their number; this
-    process's, timed while the other rank times its own.
+def dense_layer_backward_s(hidden: int, rows: int, reps: int, min_s: float) -> float:
+    """Seconds of one Linear(hidden, hidden) + ReLU layer's backward at ``rows`` rows: the lower quartile of the
+    backward calls of a stack of CALIBRATION_LAYERS such layers (after one untimed call), ``reps`` of them and as
+    many more as ``min_s`` seconds take, over their number; this process's, timed while the other rank times its.
 
     A stack, not one layer: a median of 9 calls of 1-2 ms spans ~20 ms, and a moment of another process's load set
     the whole sweep's depths (one layer read 5.4 ms instead of 1.9 beside a pytest run). The lower quartile, not
     the median: with nothing else running, medians of 9 calls of the stack still read 1.57, 2.89 and 1.86 ms in
-    three runs of recsys_torchrec (a few slow calls are enough), and the x1 point's efficiency went 0.99, 0.49,
-    0.90 with them. Not the fastest call either: that one (0.82-0.96 ms for overlap's layer) understates the layers
-    inside the two ranks' backward (1.0-1.2 ms there), the lower quartile less so.
+    three runs of recsys_torchrec (torch_ext's x1 point 0.99, 0.49, 0.90 with them). Seconds of calls, not a count:
+    the lower quartile of 25 calls (~0.3 s) read 1.00, 1.04 and 1.36 ms for overlap's layer in three quiet runs
+    whose sweeps' compute-only backward gave 1.00, 0.91 and 0.98 ms a layer, so a slow spell of a second can fill
+    such a window; over 2 s it fills less than the three quarters the quartile needs.
     """
     stack = torch.nn.Sequential(
         *(torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU()) for _ in range(CALIBRATION_LAYERS))
     )
     x = torch.randn(rows, hidden)
     stack(x).sum().backward()
-    times = []
-    for _ in range(reps):
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < reps or time.perf_counter() - started < min_s:
         loss = stack(x).sum()
         start = time.perf_counter()
         loss.backward()

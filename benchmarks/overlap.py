@@ -39,9 +39,7 @@ rank's, and overlap efficiency = 1 - exposed / T_comm (stock's wait with no dens
 communication is completely hidden, 0 when it is fully exposed. Beside it, the backward's excess over its
 engine's compute variant (``over_compute_ms``): what the communication costs the step in all, noisier.
 Only the dense MLP can hide it (the embedding's backward needs its result), so the ideal is
-min(1, ratio). Each point is placed at its dense backward / T_comm as the sweep measured it (the slope of the
-compute variants' backward against the depth: ``_common.measured_ratios``); bench's headline is the mean of
-the efficiency curve read at the ratios asked for.
+min(1, ratio).
 
 On this machine's loopback, gloo's transfer is kernel memcpy on the same two cores the ranks compute
 on, so nothing can overlap (DESIGN.md, "Measuring overlap on this machine"). A real NIC moves bytes
@@ -84,10 +82,8 @@ from _common import (
     Summary,
     SummaryRow,
     csv_row,
-    curve_at,
     dense_layer_backward_s,
     git_sha,
-    measured_ratios,
     parse_ratios,
     plot_efficiency_curves,
     progress,
@@ -130,6 +126,8 @@ QUICK_RATIOS = (0.5, 1.0, 2.0)
 # rank's (_common.slowest_rank_samples): the median of this many steps, after a few untimed ones (a process's first
 # all_to_all is slower: 1.5x in moe_sync.py). ~2 s.
 WARMUP_STEPS = 3
+# Seconds of calls one dense layer's calibration takes at least (_common.dense_layer_backward_s).
+CALIBRATION_S = 2.0
 COMM_CALIBRATION_REPS = 15
 # _set_sequence_nr boost, as PR #114120 suggests: above every sequence number a forward makes.
 SEQUENCE_NR_BOOST = 2**62
@@ -288,7 +286,7 @@ def _run_rank(config: Config) -> list[dict]:
             _step(probe, inputs, "stock", dim)
         comm_s = slowest_rank_samples(lambda: _step(probe, inputs, "stock", dim)[1], COMM_CALIBRATION_REPS)
         t_comm = statistics.median(comm_s)
-        t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps))
+        t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps, CALIBRATION_S))
         # The timeline is of the point nearest ratio 1, where the two orders differ most.
         traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
         # What bit-stable accumulation holds back while the engine runs producers out of stock's order.
@@ -512,22 +510,12 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
     comm = summarize([t * 1e3 for t in calibration["comm_s"]])
     t_comm = comm.median / 1e3
     rows = [csv_row("comm", "overlap", f"{result['dim']}d x {BATCH * FEATURES} rows, {link}", "t_comm_ms", comm, sha)]
-    # Where each point sits: its dense backward / T_comm as the sweep's compute-only backward measured it (both
-    # engines' medians, averaged), rather than as the calibration predicted.
-    compute_s = [
-        statistics.mean(statistics.median(point["times"][name]) for name in ("compute", "compute(torch_ext)"))
-        for point in result["points"]
-    ]
-    dense_ratios = measured_ratios([point["dense_layers"] for point in result["points"]], compute_s, t_comm)
-    for index, point in enumerate(result["points"]):
+    for point in result["points"]:
         times = point["times"]
         stock = statistics.median(times["stock"])
         ideal = min(1.0, point["ratio"])
         case = sweep_case("overlap", point["ratio"])
         size = f"{result['dim']}d x {BATCH * FEATURES} rows, {point['dense_layers']} dense layers, {link}"
-        if dense_ratios is not None:
-            measured = dense_ratios[index]
-            rows.append(csv_row("compute", case, size, "dense_ratio", Summary(measured, measured, measured), sha))
         for variant in VARIANTS:
             backward = summarize([t * 1e3 for t in times[variant]])
             rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
@@ -553,10 +541,6 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
     if load is not None:
         rows.append(csv_row("machine", "overlap", link, "runnable_tasks", load, sha))
     write_csv(out, rows)
-    if dense_ratios is not None:
-        print(
-            f"dense backward / T_comm as the compute variants measured it: {', '.join(f'{r:.2f}' for r in dense_ratios)}"
-        )
     print(
         f"T_comm {comm} ms (stock's wait with no dense layer, {len(calibration['comm_s'])} steps; "
         "efficiency = 1 - exposed / its median)"
@@ -588,8 +572,7 @@ def _config(args: argparse.Namespace) -> Config:
         ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
         reps=args.reps or (12 if args.quick else 20),
         warmup=1 if args.quick else 2,
-        # Calls of the calibration's stack of layers (_common.dense_layer_backward_s), timed while the other rank
-        # times its own on the second core.
+        # Calls of the calibration's stack of layers at least (_common.dense_layer_backward_s).
         calibration_reps=25 if args.quick else 31,
         timeline_png=timeline_png,
     )
@@ -645,21 +628,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_rows(rows: dict) -> list[SummaryRow]:
-    """One row per variant with a collective. The headline is the mean of the efficiency curve read at the sweep's
-    ratios (each point placed at its measured dense/comm ratio: ``measured_ratios``), beside the ideal's mean;
-    backward time against stock is the median over the sweep."""
+    """One row per variant with a collective. The headline is the sweep's mean overlap efficiency, beside the
+    ideal's mean; backward time against stock is the median over the sweep."""
     points = sweep_cases(rows, "stock", "efficiency")
     # "<dim>d x <rows> rows, <n> dense layers, <link>": the link (whether anything can overlap) names the case.
     scenario, _, link = rows[("stock", points[0][1], "backward_ms")]["size"].rpartition(", ")
     scenario = scenario.rpartition(", ")[0]
     ideal = statistics.mean(min(1.0, ratio) for ratio, _ in points)
     t_comm = rows[("comm", "overlap", "t_comm_ms")]["median"]
-    # Where the run measured each point (none in a one-point sweep: the ratio asked for).
-    measured = {
-        ratio: rows[("compute", case, "dense_ratio")]["median"]
-        for ratio, case in points
-        if ("compute", case, "dense_ratio") in rows
-    }
     summary = []
     for variant in (v for v in COLLECTIVE_VARIANTS if (v, points[0][1], "efficiency") in rows):
         efficiencies = [rows[(variant, case, "efficiency")]["median"] for _, case in points]
@@ -668,21 +644,16 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
             rows[(variant, case, "backward_ms")]["median"] / rows[("stock", case, "backward_ms")]["median"]
             for _, case in points
         ]
-        curve = [(measured.get(ratio, ratio), eff) for (ratio, _), eff in zip(points, efficiencies, strict=True)]
-        mean_efficiency = statistics.mean(curve_at(curve, ratio) for ratio, _ in points)
+        mean_efficiency = statistics.mean(efficiencies)
         values = {
             "efficiency": mean_efficiency,
             "ideal_efficiency": ideal,
             "exposed_ms": statistics.mean(exposed),
             "ratio": statistics.median(backward_ratios),
-            # The curve, for the plot: each point's efficiency and where it sits.
+            # The curve, for the plot.
             **{f"efficiency x{ratio:g}": eff for (ratio, _), eff in zip(points, efficiencies, strict=True)},
-            **{f"dense_ratio x{ratio:g}": at for ratio, at in measured.items()},
         }
-        per_point = ", ".join(
-            f"x{ratio:g}{f' (measured {measured[ratio]:.2f})' if ratio in measured else ''}: {eff:.2f}"
-            for (ratio, _), eff in zip(points, efficiencies, strict=True)
-        )
+        per_point = ", ".join(f"x{ratio:g}: {eff:.2f}" for (ratio, _), eff in zip(points, efficiencies, strict=True))
         notes = f"efficiency by dense/comm ratio {per_point}; exposed {values['exposed_ms']:.1f} ms on average"
         if variant == "stock":
             notes += f"; T_comm {t_comm:.3g} ms, {scenario}"

@@ -109,6 +109,8 @@ QUICK_RATIOS = (0.5, 1.0, 2.0)
 # rank's (_common.slowest_rank_samples): the median of this many steps, after a few untimed ones (a process's first
 # all_to_all is slower: 1.5x in moe_sync.py). ~2 s.
 WARMUP_STEPS = 3
+# Seconds of calls one dense layer's calibration takes at least (_common.dense_layer_backward_s).
+CALIBRATION_S = 2.0
 COMM_CALIBRATION_REPS = 15
 LEARNING_RATE = 0.01
 # TorchRec's Req/Wait pair for pooled embeddings: which node launches the backward all_to_all, which waits.
@@ -286,7 +288,7 @@ def _run_rank(config: Config) -> list[dict]:
             lambda: _step(probe, probe_params, probe_batch, "stock", wait_timer)[2], COMM_CALIBRATION_REPS
         )
         t_comm = statistics.median(comm_s)
-        t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps))
+        t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps, CALIBRATION_S))
         traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
         points, timeline = [], None
         for ratio in config.ratios:
@@ -402,8 +404,7 @@ def _config(args: argparse.Namespace) -> Config:
         ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
         reps=args.reps or (11 if args.quick else 20),
         warmup=1 if args.quick else 2,
-        # Calls of the calibration's stack of layers (_common.dense_layer_backward_s), timed while the other rank
-        # times its own on the second core.
+        # Calls of the calibration's stack of layers at least (_common.dense_layer_backward_s).
         calibration_reps=25 if args.quick else 31,
         timeline_png=timeline_png,
     )

@@ -249,48 +249,6 @@ def test_overlap_summary_is_the_sweep_and_its_plot_the_curve(tmp_path):
     assert bench.write_plots(tmp_path, rows) == [tmp_path / "overlap.png"]
 
 
-def test_overlap_points_sit_at_their_measured_ratio(tmp_path, monkeypatch):
-    link = "2 hosts over a veth shaped to 1gbit"
-    rows = overlap_sweep_rows(link)
-    # The run measured its dense backward at 0.6 and 2.4 x T_comm where 0.5 and 2 were asked for.
-    for ratio, measured in ((0.5, 0.6), (2, 2.4)):
-        size = next(row[2] for row in rows if row[1] == f"overlap x{ratio:g}")
-        rows.append(("compute", f"overlap x{ratio:g}", size, "dense_ratio", measured, measured, measured))
-    write_rows(tmp_path / "overlap.csv", rows)
-    summary = bench.summarize_folder(tmp_path, ["overlap"])
-    ours = next(row for row in summary if row.variant == "torch_ext")
-    # The headline reads the curve through (0.6, 0.4) and (2.4, 0.9) at 0.5 and 2, not the points themselves.
-    slope = 0.5 / 1.8
-    assert ours.values["efficiency"] == pytest.approx(((0.4 - 0.1 * slope) + (0.4 + 1.4 * slope)) / 2)
-    assert ours.values["ideal_efficiency"] == 0.75
-    assert ours.values["efficiency x0.5"] == 0.4 and ours.values["dense_ratio x0.5"] == 0.6
-    assert "x0.5 (measured 0.60): 0.40" in ours.notes
-
-    from matplotlib.figure import Figure
-
-    figure = Figure()
-    bench.benchmark_module("overlap").plot(summary, figure)
-    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
-    assert list(lines["torch_ext"].get_xdata()) == [0.6, 2.4] and list(lines["torch_ext"].get_ydata()) == [0.4, 0.9]
-    assert list(lines["ideal"].get_xdata()) == [0.6, 1, 2.4]
-
-
-def test_measured_ratios_and_the_curve_between_points(monkeypatch):
-    monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
-    import _common
-
-    # Compute-only backward 20 ms + 1 ms a layer; T_comm 40 ms.
-    ratios = _common.measured_ratios([20, 40, 80], [0.040, 0.060, 0.100], 0.040)
-    assert ratios == pytest.approx([0.5, 1.0, 2.0])
-    assert _common.measured_ratios([20, 20], [0.04, 0.05], 0.04) is None
-    assert _common.measured_ratios([20, 40], [0.05, 0.04], 0.04) is None
-    curve = [(0.5, 0.4), (1.0, 0.9), (2.0, 1.0)]
-    assert _common.curve_at(curve, 0.75) == pytest.approx(0.65)
-    assert _common.curve_at(curve, 0.25) == pytest.approx(0.15)
-    assert _common.curve_at(curve, 3.0) == pytest.approx(1.1)
-    assert _common.curve_at([(1.0, 0.7)], 0.5) == 0.7
-
-
 def test_stock_backward_events_in_the_trace_format(monkeypatch):
     monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
     import overlap
