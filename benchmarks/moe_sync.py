@@ -13,13 +13,18 @@ capacity, combined back) beside a dense path, for each library:
   lane       torch_ext with torch_ext.run_in_lane(_AllToAll): the all_to_all dispatched first to its group's
              lane, the dense path run beside it
   checked    the lane with the collective order check on (torch_ext.check_collective_order): its cost
-  comm       the all_to_all alone (T_comm)
 
-The dense path's backward is swept over multiples of T_comm (--ratios): exposed communication is
-backward - compute, overlap efficiency 1 - exposed / T_comm; the ideal is min(1, ratio) (only the dense path can
-hide the all_to_all; the expert's backward needs its result). Reported per library and ratio: backward and step
-time (forward, backward and an SGD step) as medians of the slower rank, and the efficiency. Before timing, one
-backward of each engine variant must give torch.equal gradients to stock's.
+T_comm is how long stock's backward waits for the all_to_all in the same layer with no dense path, the median of
+15 steps' slower rank (``_common.slowest_rank_samples`` says why not the all_to_all timed alone). The dense
+path's backward is swept over multiples of T_comm (--ratios). At each point, per repetition, exposed
+communication = the time the backward's thread was blocked (``_common.timed_blocking``: waiting for the
+all_to_all inside the node, or for the lane's result where the expert's backward needs it), the slower rank's;
+overlap efficiency = 1 - exposed / T_comm. The ideal is min(1, ratio) (only the dense path can hide the
+all_to_all; the expert's backward needs its result). Beside it, the backward's excess over the
+communication-free ``compute`` variant (``over_compute_ms``): what the communication costs the step in all, the
+gap of two noisy times. Reported per library and ratio: backward and step time (forward, backward and an SGD
+step) as medians of the slower rank, and the efficiency. Before timing, one backward of each engine variant must
+give torch.equal gradients to stock's.
 
     python benchmarks/moe_sync.py [--quick] [--reps N] [--ratios 0.5,1,2] [--network ...] [--out CSV]
 """
@@ -38,34 +43,46 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from _common import SummaryRow, csv_row, git_sha, median_backward_s, progress, summarize, write_csv
-from _hosts import (
-    MODES,
-    RANK_RESULTS_OPTION,
-    agreed_max,
-    leave_rank,
-    run_on_two_hosts,
-    timed_all_to_all,
-    write_rank_result,
+from _common import (
+    Summary,
+    SummaryRow,
+    csv_row,
+    dense_layer_backward_s,
+    git_sha,
+    parse_ratios,
+    plot_efficiency_curves,
+    progress,
+    runnable_tasks,
+    slowest_rank_samples,
+    summarize,
+    sweep_case,
+    sweep_cases,
+    sweep_depth,
+    timed_blocking,
+    write_csv,
 )
+from _hosts import MODES, RANK_RESULTS_OPTION, agreed_max, leave_rank, run_on_two_hosts, write_rank_result
 from torch import nn
 
 import torch_ext
 
 WORLD_SIZE = 2
-# Tokens each rank sends each expert, and their width: 2048 x 256 floats = 2 MiB to the other rank, about
-# 17 ms at 1 Gbit/s.
+# Tokens each rank sends each expert, and their width: 2048 x 256 floats = 2 MiB to the other rank.
 CAPACITY = 2048
 DIM = 256
-# The dense path reads this many of the tokens: one of its layers' backward is then ~4.5 ms here, a quarter of
-# T_comm, fine enough a step for the sweep (all 4096 rows made a layer ~19 ms, the sweep's points 0.5 apart).
+# The dense path reads this many of the tokens: one of its layers' backward is then ~3.2 ms here, a tenth of
+# T_comm (~36 ms), fine enough a step for the sweep (all 4096 rows made a layer ~19 ms, the points 0.5 apart).
 DENSE_ROWS = 1024
 MAX_DENSE_LAYERS = 64
 # The dense path's backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
 RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
 QUICK_RATIOS = (0.5, 1.0, 2.0)
-# Untimed all_to_alls before calibrating: the first ones of a process are slower.
-WARMUP_ALL_TO_ALLS = 3
+# T_comm: stock's wait in a layer with no dense path, the median of this many steps' slower rank, after a few
+# untimed ones (a process's first all_to_alls are slower: the first library's read 1.5-1.8x the later ones').
+WARMUP_STEPS = 3
+COMM_CALIBRATION_REPS = 15
+# Seconds of calls one dense layer's calibration takes at least (_common.dense_layer_backward_s).
+CALIBRATION_S = 2.0
 ENGINE_VARIANTS = ("stock", "torch_ext", "priority", "lane", "checked")
 TIMED_VARIANTS = ("compute", *ENGINE_VARIANTS)
 LIBRARIES = ("megatron", "deepspeed")
@@ -99,12 +116,15 @@ def _identity(group, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class Layer(nn.Module):
+    """The expert-parallel layer beside ``dense_layers`` Linear + ReLU layers (the layer _common's calibration
+    times); with none, the all_to_all has nothing to hide behind (T_comm's calibration)."""
+
     def __init__(self, all_to_all: Callable, dense_layers: int) -> None:
         super().__init__()
         self.all_to_all = all_to_all
         self.expert = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
         self.gate = nn.Linear(DIM, 1)
-        self.dense = nn.Sequential(*[nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(dense_layers)])
+        self.dense = nn.Sequential(*[nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU()) for _ in range(dense_layers)])
         self.head = nn.Linear(DIM, 1)
 
     def forward(self, tokens: torch.Tensor, communicate: bool = True) -> torch.Tensor:
@@ -112,6 +132,8 @@ class Layer(nn.Module):
         group = dist.group.WORLD
         returned = all_to_all(group, self.expert(all_to_all(group, tokens)))
         moe = self.head(returned * torch.sigmoid(self.gate(tokens))).sum()
+        if not self.dense:
+            return moe
         return moe + self.dense(tokens[:DENSE_ROWS]).sum()
 
 
@@ -152,18 +174,17 @@ def _check_group():
     return _CHECK_GROUP[0]
 
 
-def _step(model: Layer, optimizer, tokens: torch.Tensor, variant: str, function: type) -> tuple[float, float]:
-    """(backward s, step s): forward, backward and an SGD step, the ranks started together."""
+def _step(model: Layer, optimizer, tokens: torch.Tensor, variant: str, function: type) -> dict[str, float]:
+    """Seconds of a forward, backward and SGD step (``step_s``), of its backward (``backward_s``) and blocked in
+    the backward (``exposed_s``), the ranks started together."""
     dist.barrier()
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss = model(tokens, communicate=variant != "compute")
     with variant_engine(variant, function):
-        backward_start = time.perf_counter()
-        loss.backward()
-        backward_s = time.perf_counter() - backward_start
+        backward_s, exposed_s = timed_blocking(loss.backward)
     optimizer.step()
-    return backward_s, time.perf_counter() - start
+    return {"step_s": time.perf_counter() - start, "backward_s": backward_s, "exposed_s": exposed_s}
 
 
 def _check_bits(model: Layer, tokens: torch.Tensor, function: type, rank: int, library: str) -> None:
@@ -179,53 +200,52 @@ def _check_bits(model: Layer, tokens: torch.Tensor, function: type, rank: int, l
             raise AssertionError(f"rank {rank}, {library}: {variant}'s gradients differ from stock's")
 
 
-def _calibrate(calibration_reps: int) -> tuple[float, float]:
-    """(T_comm, one dense layer's backward s), the slower rank's, before any library is imported."""
-    tokens = torch.randn(WORLD_SIZE * CAPACITY, DIM)
-    for _ in range(WARMUP_ALL_TO_ALLS):
-        timed_all_to_all(tokens)
-    t_comm = agreed_max(statistics.median(timed_all_to_all(tokens) for _ in range(calibration_reps)))
-    layer = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
-    x = torch.randn(DENSE_ROWS, DIM, requires_grad=True)
-    t_layer = agreed_max(median_backward_s(lambda: layer(x).sum(), calibration_reps))
-    return t_comm, t_layer
+def _calibrate_comm(all_to_all: Callable, function: type, tokens: torch.Tensor) -> list[float]:
+    """T_comm's samples: stock's blocked time in a layer with no dense path, each step's slower rank's."""
+    probe = Layer(all_to_all, 0)
+    optimizer = torch.optim.SGD(probe.parameters(), lr=1e-4)
+    for _ in range(WARMUP_STEPS):
+        _step(probe, optimizer, tokens, "stock", function)
+    return slowest_rank_samples(
+        lambda: _step(probe, optimizer, tokens, "stock", function)["exposed_s"], COMM_CALIBRATION_REPS
+    )
 
 
-def _run_library(library: str, ratios: Sequence[float], reps: int, warmup: int, t_comm: float, t_layer: float) -> dict:
+def _run_library(library: str, ratios: Sequence[float], reps: int, warmup: int, t_layer: float) -> dict:
     rank = dist.get_rank()
     all_to_all, function = library_all_to_all(library)
+    torch.manual_seed(rank)
     tokens = torch.randn(WORLD_SIZE * CAPACITY, DIM)
+    comm_s = _calibrate_comm(all_to_all, function, tokens)
+    t_comm = statistics.median(comm_s)
     points = []
     for ratio in ratios:
-        dense_layers = int(min(MAX_DENSE_LAYERS, max(1, round(ratio * t_comm / t_layer))))
+        dense_layers = sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS)
         torch.manual_seed(rank)
         model = Layer(all_to_all, dense_layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
         _check_bits(model, tokens, function, rank, library)
-        samples = {variant: {"backward_s": [], "step_s": []} for variant in TIMED_VARIANTS}
-        comm = []
+        samples = {variant: {"backward_s": [], "step_s": [], "exposed_s": []} for variant in TIMED_VARIANTS}
         for rep in range(warmup + reps):
+            # Alternate the variants within each repetition, rotating which goes first, so drift in the
+            # machine's load spreads evenly over them.
             shift = rep % len(TIMED_VARIANTS)
             for variant in TIMED_VARIANTS[shift:] + TIMED_VARIANTS[:shift]:
-                backward_s, step_s = _step(model, optimizer, tokens, variant, function)
+                measured = _step(model, optimizer, tokens, variant, function)
                 if rep >= warmup:
-                    samples[variant]["backward_s"].append(backward_s)
-                    samples[variant]["step_s"].append(step_s)
-            if rep >= warmup:
-                comm.append(timed_all_to_all(tokens))
-        points.append({"ratio": ratio, "dense_layers": dense_layers, "samples": samples, "comm_s": comm})
-    return {"t_comm": t_comm, "t_layer": t_layer, "points": points}
+                    for key, value in measured.items():
+                        samples[variant][key].append(value)
+        points.append({"ratio": ratio, "dense_layers": dense_layers, "samples": samples})
+    return {"comm_s": comm_s, "t_layer": t_layer, "points": points}
 
 
 def _run_rank(libraries: Sequence[str], ratios: Sequence[float], reps: int, warmup: int, calibration_reps: int):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     try:
-        # Once, for every library: calibrated after each library's import, the first one's T_comm read 1.5-1.8x
-        # the all_to_all's time in its timed repetitions (28.9 and 37.1 ms against about 20), so its sweep points
-        # were that much longer than the ratios asked for.
-        t_comm, t_layer = _calibrate(calibration_reps)
-        result = {library: _run_library(library, ratios, reps, warmup, t_comm, t_layer) for library in libraries}
+        # Once, for every library, before any is imported.
+        t_layer = agreed_max(dense_layer_backward_s(DIM, DENSE_ROWS, calibration_reps, CALIBRATION_S))
+        result = {library: _run_library(library, ratios, reps, warmup, t_layer) for library in libraries}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         return gathered
@@ -233,69 +253,73 @@ def _run_rank(libraries: Sequence[str], ratios: Sequence[float], reps: int, warm
         dist.destroy_process_group()
 
 
-def report(results: list[dict], link: str, out: str) -> None:
+def report(results: list[dict], link: str, out: str, load: Summary | None = None) -> None:
+    """Prints the table and writes the CSV; ``load``: the runnable tasks while the ranks ran, where known."""
     sha = git_sha()
     rows = []
     for library in results[0]:
-        calibration = results[0][library]
+        first = results[0][library]
+        # comm_s is already each step's slower rank's (slowest_rank_samples): the same on every rank.
+        comm = summarize([t * 1e3 for t in first["comm_s"]])
+        t_comm = comm.median / 1e3
+        name = LIBRARY_NAMES[library]
         print(
-            f"\nmoe_sync, {LIBRARY_NAMES[library]}: {CAPACITY} tokens x {DIM}d per expert, {link}; "
-            f"T_comm {calibration['t_comm'] * 1e3:.1f} ms, one dense layer {calibration['t_layer'] * 1e3:.2f} ms"
+            f"\nmoe_sync, {name}: {CAPACITY} tokens x {DIM}d per expert, {link}; T_comm {comm} ms (stock's wait with "
+            f"no dense path, {len(first['comm_s'])} steps), one dense layer {first['t_layer'] * 1e3:.2f} ms"
         )
         print(
             f"{'ratio':>5} {'layers':>6} {'variant':<9} {'backward ms':>12} {'/stock':>7} {'step ms':>9} "
-            f"{'/stock':>7} {'efficiency':>10} {'ideal':>6}"
+            f"{'/stock':>7} {'exposed ms':>10} {'efficiency':>10} {'ideal':>6} {'- compute ms':>12}"
         )
-        for index, point in enumerate(calibration["points"]):
+        rows.append(csv_row("comm", library, f"{CAPACITY} tokens x {DIM}d per expert, {link}", "t_comm_ms", comm, sha))
+        for index, point in enumerate(first["points"]):
 
             def slowest(variant: str, metric: str, index=index, library=library) -> list[float]:
                 per_rank = [r[library]["points"][index]["samples"][variant][metric] for r in results]
                 return [max(times) for times in zip(*per_rank, strict=True)]
 
-            comm = [max(times) for times in zip(*(r[library]["points"][index]["comm_s"] for r in results))]
-            t_comm = statistics.median(comm)
             compute = slowest("compute", "backward_s")
-            case = f"{library} x{point['ratio']:g}"
+            case = sweep_case(library, point["ratio"])
             size = f"{CAPACITY} tokens x {DIM}d per expert, {point['dense_layers']} dense layers, {link}"
-            rows.append(csv_row("comm", case, size, "backward_ms", summarize([t * 1e3 for t in comm]), sha))
             stock_backward = statistics.median(slowest("stock", "backward_s"))
             stock_step = statistics.median(slowest("stock", "step_s"))
             ideal = min(1.0, point["ratio"])
             for variant in TIMED_VARIANTS:
                 backward = slowest(variant, "backward_s")
-                step = slowest(variant, "step_s")
                 backward_summary = summarize([t * 1e3 for t in backward])
-                step_summary = summarize([t * 1e3 for t in step])
+                step_summary = summarize([t * 1e3 for t in slowest(variant, "step_s")])
                 rows.append(csv_row(variant, case, size, "backward_ms", backward_summary, sha))
                 rows.append(csv_row(variant, case, size, "step_ms", step_summary, sha))
-                efficiency = ""
+                exposed_text = efficiency_text = over_text = ""
                 if variant != "compute":
-                    # Per repetition: the same repetition's compute-only backward is the baseline.
-                    exposed = [b - c for b, c in zip(backward, compute, strict=True)]
-                    eff = summarize([1 - e / t_comm for e in exposed])
-                    rows.append(csv_row(variant, case, size, "efficiency", eff, sha))
-                    efficiency = f"{eff.median:10.2f}"
+                    exposed = slowest(variant, "exposed_s")
+                    exposed_ms = summarize([e * 1e3 for e in exposed])
+                    efficiency = summarize([1 - e / t_comm for e in exposed])
+                    # The same repetition's communication-free backward: what the step costs beyond it.
+                    over = summarize([(b - c) * 1e3 for b, c in zip(backward, compute, strict=True)])
+                    rows.append(csv_row(variant, case, size, "exposed_ms", exposed_ms, sha))
+                    rows.append(csv_row(variant, case, size, "efficiency", efficiency, sha))
+                    rows.append(csv_row(variant, case, size, "over_compute_ms", over, sha))
+                    exposed_text, efficiency_text = f"{exposed_ms.median:.1f}", f"{efficiency.median:.2f}"
+                    over_text = f"{over.median:.1f}"
                 print(
                     f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<9} {backward_summary.median:12.1f} "
                     f"{backward_summary.median / 1e3 / stock_backward:7.2f} {step_summary.median:9.1f} "
-                    f"{step_summary.median / 1e3 / stock_step:7.2f} {efficiency:>10} {ideal:6.2f}"
+                    f"{step_summary.median / 1e3 / stock_step:7.2f} {exposed_text:>10} {efficiency_text:>10} "
+                    f"{ideal:6.2f} {over_text:>12}"
                 )
+    if load is not None:
+        rows.append(csv_row("machine", "moe_sync", link, "runnable_tasks", load, sha))
+        print(f"runnable tasks while the ranks ran: {load} (the ranks make 2; more: other processes on the 2 cores)")
     write_csv(out, rows)
     print(f"wrote {out}")
-
-
-def _ratios(text: str) -> tuple[float, ...]:
-    ratios = tuple(float(part) for part in text.split(","))
-    if not ratios or any(r <= 0 for r in ratios):
-        raise argparse.ArgumentTypeError(f"ratios must be positive numbers separated by commas, got {text!r}")
-    return ratios
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and sweep points")
     parser.add_argument("--reps", type=int, help="timed repetitions of every variant")
-    parser.add_argument("--ratios", type=_ratios, help="dense backward / T_comm to sweep, e.g. 0.5,1,2")
+    parser.add_argument("--ratios", type=parse_ratios, help="dense backward / T_comm to sweep, e.g. 0.5,1,2")
     parser.add_argument("--network", choices=MODES, default=MODES[0], help="where the 2 ranks run (default two-hosts)")
     parser.add_argument("--out", default="results/moe_sync.csv", help="long-format CSV to write")
     parser.add_argument(RANK_RESULTS_OPTION, help=argparse.SUPPRESS)
@@ -309,9 +333,10 @@ def main(argv: list[str] | None = None) -> int:
             "(pip install torch==2.13.0 megatron-core==0.16.1 deepspeed==0.19.8)"
         )
         return 0
-    reps = args.reps or (5 if args.quick else 15)
+    reps = args.reps or (8 if args.quick else 15)
     ratios = args.ratios or (QUICK_RATIOS if args.quick else RATIOS)
-    warmup, calibration_reps = (1, 5) if args.quick else (2, 9)
+    # Calls of the calibration's stack of layers at least (_common.dense_layer_backward_s).
+    warmup, calibration_reps = (1, 25) if args.quick else (2, 31)
     if args.rank_results is not None or "TORCHELASTIC_RUN_ID" in os.environ:
         results = _run_rank(libraries, ratios, reps, warmup, calibration_reps)
         if args.rank_results is not None:
@@ -324,54 +349,50 @@ def main(argv: list[str] | None = None) -> int:
         f"ratios {','.join(f'{r:g}' for r in ratios)}, {reps} repetitions"
     )
     forwarded = sys.argv[1:] if argv is None else list(argv)
-    run = run_on_two_hosts(__file__, forwarded, mode=args.network)
-    report(run.results, run.network.label, args.out)
+    with runnable_tasks() as load:
+        run = run_on_two_hosts(__file__, forwarded, mode=args.network)
+    report(run.results, run.network.label, args.out, load())
     return 0
 
 
 # --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
 
 
-def _sweep(rows: dict) -> dict[str, list[tuple[float, str]]]:
-    """library -> [(ratio, case)] in the CSV's order."""
-    sweep: dict[str, list[tuple[float, str]]] = {}
-    for what, case, metric in rows:
-        if what == "stock" and metric == "backward_ms":
-            library, _, ratio = case.partition(" x")
-            sweep.setdefault(library, []).append((float(ratio), case))
-    return sweep
-
-
 def summary_rows(rows: dict) -> list[SummaryRow]:
     """One row per library and engine variant. The headline is the sweep's mean overlap efficiency, beside the
-    ideal's mean; step time against stock is the median over the sweep."""
+    ideal's mean; backward and step time against stock are medians over the sweep."""
+    libraries = dict.fromkeys(case.rpartition(" x")[0] for _, case in sweep_cases(rows, "stock", "efficiency"))
+    load = rows.get(("machine", "moe_sync", "runnable_tasks"))
     summary = []
-    for library, points in _sweep(rows).items():
+    for library in libraries:
+        points = [(r, case) for r, case in sweep_cases(rows, "stock", "efficiency") if case.startswith(library + " x")]
         link = rows[("stock", points[0][1], "backward_ms")]["size"].rpartition(", ")[2]
         ideal = statistics.mean(min(1.0, ratio) for ratio, _ in points)
-        for variant in ENGINE_VARIANTS:
-            if (variant, points[0][1], "efficiency") not in rows:
-                continue  # a CSV from before the variant existed
+        t_comm = rows.get(("comm", library, "t_comm_ms"))
+        for variant in (v for v in ENGINE_VARIANTS if (v, points[0][1], "efficiency") in rows):
             efficiencies = [rows[(variant, case, "efficiency")]["median"] for _, case in points]
-            step_ratios = [
-                rows[(variant, case, "step_ms")]["median"] / rows[("stock", case, "step_ms")]["median"]
-                for _, case in points
-            ]
-            backward_ratios = [
-                rows[(variant, case, "backward_ms")]["median"] / rows[("stock", case, "backward_ms")]["median"]
-                for _, case in points
-            ]
+
+            def against_stock(metric: str, variant=variant, points=points) -> float:
+                return statistics.median(
+                    rows[(variant, case, metric)]["median"] / rows[("stock", case, metric)]["median"]
+                    for _, case in points
+                )
+
             mean_efficiency = statistics.mean(efficiencies)
-            step_ratio = statistics.median(step_ratios)
             values = {
                 "efficiency": mean_efficiency,
                 "ideal_efficiency": ideal,
-                "step_ratio": step_ratio,
-                "ratio": statistics.median(backward_ratios),
+                "step_ratio": against_stock("step_ms"),
+                "ratio": against_stock("backward_ms"),
                 # The curve, for the plot.
                 **{f"efficiency x{ratio:g}": eff for (ratio, _), eff in zip(points, efficiencies, strict=True)},
             }
             per_point = ", ".join(f"x{ratio:g}: {eff:.2f}" for (ratio, _), eff in zip(points, efficiencies))
+            notes = f"step / stock {values['step_ratio']:.2f}; efficiency by dense/comm ratio {per_point}"
+            if variant == "stock" and t_comm is not None:
+                notes += f"; T_comm {t_comm['median']:.3g} ms"
+                if load is not None:
+                    notes += f"; runnable tasks {load['median']:g} (the ranks: 2)"
             summary.append(
                 SummaryRow(
                     "moe_sync",
@@ -380,7 +401,7 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
                     "stock",
                     f"efficiency {mean_efficiency:.2f} (ideal {ideal:.2f})",
                     f"{values['ratio']:.2f}",
-                    f"step / stock {step_ratio:.2f}; efficiency by dense/comm ratio {per_point}",
+                    notes,
                     values,
                 )
             )
@@ -391,20 +412,7 @@ def plot(rows: Sequence[SummaryRow], figure) -> None:
     cases = list(dict.fromkeys(r.case for r in rows))
     axes = figure.subplots(1, len(cases), squeeze=False)[0]
     for ax, case in zip(axes, cases, strict=True):
-        ratios: list[float] = []
-        for row in (r for r in rows if r.case == case):
-            curve = sorted(
-                (float(key.removeprefix("efficiency x")), value)
-                for key, value in row.values.items()
-                if key.startswith("efficiency x")
-            )
-            ratios = [ratio for ratio, _ in curve]
-            ax.plot(ratios, [eff for _, eff in curve], marker="o", label=row.variant)
-        ax.plot(ratios, [min(1.0, r) for r in ratios], linestyle="--", color="black", label="ideal")
-        ax.set_xlabel("dense backward / T_comm")
-        ax.set_ylabel("overlap efficiency (1: all hidden)")
-        ax.set_title(case, fontsize=9)
-        ax.legend(fontsize=8)
+        plot_efficiency_curves(ax, [r for r in rows if r.case == case], case)
     figure.suptitle("Synchronous MoE all_to_all: stock, priority alone, the collective lane")
 
 

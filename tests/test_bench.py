@@ -736,11 +736,10 @@ def test_recsys_torchrec_quick_run_matches_stock_and_reports(tmp_path):
 
 def test_moe_sync_summary_from_a_csv(tmp_path):
     link = "2 hosts over a veth shaped to 1gbit"
-    rows = []
+    rows = [("comm", "megatron", f"2048 tokens x 256d per expert, {link}", "t_comm_ms", 36, 35, 38)]
     for ratio, layers, lane_efficiency in ((0.5, 4, 0.3), (2, 14, 0.7)):
         size = f"2048 tokens x 256d per expert, {layers} dense layers, {link}"
         case = f"megatron x{ratio:g}"
-        rows.append(("comm", case, size, "backward_ms", 20, 19, 21))
         for variant, backward, step, efficiency in (
             ("compute", 30, 60, None),
             ("stock", 70, 160, -0.1),
@@ -760,6 +759,7 @@ def test_moe_sync_summary_from_a_csv(tmp_path):
     assert lane.values["step_ratio"] == pytest.approx(140 / 160) and lane.ratio == "0.80"
     assert lane.values["efficiency x0.5"] == pytest.approx(0.3) and lane.values["efficiency x2"] == pytest.approx(0.7)
     assert "x0.5: 0.30, x2: 0.70" in lane.notes
+    assert "T_comm 36 ms" in summary["stock"].notes
 
 
 def test_bench_runs_every_benchmark_script():
