@@ -1,17 +1,21 @@
 """Faults with communication in flight, on 2 gloo ranks: the surviving rank's backward raises, cleanly.
 
-With a lane's collective (a synchronous all_to_all, declared with ``torch_ext.run_in_lane``) or one of
-torch_ext's own collectives (its wait deferred to first use) in flight: a peer killed mid-backward, a user
-hook that raises, a collective that times out. The surviving rank's backward must raise within the process
-group's timeout with an error saying what happened, leave no thread running, and the engine must run the
-next backward. A rank here may die on purpose, so these tests spawn their ranks themselves rather than
+With a lane's collective (a synchronous all_to_all, declared with ``torch_ext.run_in_lane``), one of
+torch_ext's own collectives (its wait deferred to first use) or TorchRec's pooled all_to_all (its real
+Req/Wait pair of autograd Functions: in backward the Wait's node launches, the Req's node waits, and
+torch_ext runs the dense chain between them) in flight: a peer killed mid-backward, a user hook that
+raises, a collective that times out. The surviving rank's backward must raise within the process group's
+timeout with an error saying what happened, leave no thread running, and the engine must run the next
+backward. A rank here may die on purpose, so these tests spawn their ranks themselves rather than
 through ``_harness.run_ranks`` (which fails on any rank that does not return).
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
+import re
 import time
 import traceback
 
@@ -23,12 +27,19 @@ import torch.multiprocessing as mp
 import torch_ext
 import torch_ext.ops
 
+HAS_TORCHREC = all(importlib.util.find_spec(name) is not None for name in ("torchrec", "fbgemm_gpu"))
+TORCHREC = pytest.param(
+    "torchrec", marks=pytest.mark.skipif(not HAS_TORCHREC, reason="TorchRec is not installed (README, 'TorchRec')")
+)
+
 pytestmark = pytest.mark.distributed
 
 WORLD_SIZE = 2
 # Short: the point is that a rank raises within it, rather than waiting forever.
 GROUP_TIMEOUT_S = 10
 SPAWN_TIMEOUT_S = 90
+# The frame TorchRec's all_to_all waits in, in backward: All2All_Pooled_Req.backward (torchrec/distributed/comm_ops.py).
+TORCHREC_WAIT = ("comm_ops.py", "backward", "myreq.req.wait()")
 
 
 class Exchange(torch.autograd.Function):
@@ -50,21 +61,62 @@ class Exchange(torch.autograd.Function):
         return received, None, None
 
 
-def _loss(fault: str, rank: int, through: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _torchrec_all_to_all(pooled: torch.Tensor, fault: str, rank: int) -> tuple[torch.Tensor, list]:
+    """TorchRec's pooled all_to_all (comm_ops.alltoall_pooled), its real All2All_Pooled_Req/_Wait pair.
+
+    Returns the exchanged tensor and its backward's launch and wait nodes, labelled. ``pooled`` is
+    (sum of the batches, this rank's embedding dims); the result (this rank's batch, every rank's dims).
+    """
+    from torchrec.distributed.comm_ops import alltoall_pooled
+
+    batch, dims = pooled.shape
+    exchanged = alltoall_pooled(pooled, [batch // WORLD_SIZE] * WORLD_SIZE, [dims] * WORLD_SIZE).wait()
+    launch = exchanged.grad_fn  # All2All_Pooled_WaitBackward: starts the gradient's all_to_all
+    (wait,) = [node for node, _ in launch.next_functions if node is not None]  # All2All_Pooled_ReqBackward
+    assert (launch.name(), wait.name()) == ("All2All_Pooled_WaitBackward", "All2All_Pooled_ReqBackward")
+    if fault == "killed" and rank == 1:
+        # Dies in backward with its all_to_all unissued, rank 0's already launched.
+        launch.register_prehook(lambda grads: os._exit(0))
+    if fault == "late" and rank == 1:
+        launch.register_prehook(lambda grads: time.sleep(GROUP_TIMEOUT_S + 3))
+    return exchanged, [("launch", launch), ("wait", wait)]
+
+
+def _dense_leaves() -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    x = torch.randn(16, 8, requires_grad=True)
-    w = torch.randn(8, 8, requires_grad=True)
+    return torch.randn(16, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+
+
+def _dense_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    dense = x
+    for _ in range(4):
+        dense = torch.tanh(dense @ w)
+    return dense
+
+
+def _stock_dense_grads() -> list[torch.Tensor]:
+    """Stock's gradients of x and w through the dense chain alone: the TorchRec loss's, whose all_to_all reads neither."""
+    x, w = _dense_leaves()
+    return list(torch.autograd.grad(_dense_chain(x, w).sum(), [x, w]))
+
+
+def _loss(fault: str, rank: int, through: str) -> tuple[torch.Tensor, list[torch.Tensor], list]:
+    """The loss, its leaves, and (TorchRec's) its collective's backward nodes, labelled."""
+    x, w = _dense_leaves()
+    leaves, nodes = [x, w], []
     if through == "lane":
         moe = Exchange.apply(x @ w, fault, rank)
-    else:
+    elif through == "deferred_wait":
         moe = torch_ext.ops.all_reduce(x @ w)
         if fault == "killed" and rank == 1:
             # Dies in backward, just before launching the all_reduce's backward.
             moe.grad_fn.register_prehook(lambda grads: os._exit(0))
-    dense = x
-    for _ in range(4):
-        dense = torch.tanh(dense @ w)
-    return moe.sum() + dense.sum(), [x, w]
+    else:
+        # An embedding table of its own: x and w complete in the dense chain, while the all_to_all is in flight.
+        table = torch.randn(16, 8, requires_grad=True)
+        leaves.append(table)
+        moe, nodes = _torchrec_all_to_all(table.exp(), fault, rank)
+    return moe.sum() + _dense_chain(x, w).sum(), leaves, nodes
 
 
 def _os_threads() -> int:
@@ -84,30 +136,49 @@ def _rank(rank: int, port: int, fault: str, through: str, out_dir: str) -> None:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timeout)
         torch_ext.run_in_lane(Exchange)
-        loss, leaves = _loss(fault, rank, through)
-        if fault == "hook" and rank == 0:
-            # A dense node's hook raises while the collective is in flight.
-            leaves[1].register_hook(lambda grad: (_ for _ in ()).throw(ValueError("user hook failed")))
+        loss, leaves, nodes = _loss(fault, rank, through)
+        # The collective's launch and wait nodes and w's gradient hook (after the dense chain), as they ran.
+        order = []
+        for label, node in nodes:
+            node.register_prehook(lambda grads, label=label: order.append(label))
+
+        def w_hook(grad):
+            order.append("w")
+            if fault == "hook" and rank == 0:
+                # A dense node's hook raises while the collective is in flight.
+                raise ValueError("user hook failed")
+
+        leaves[1].register_hook(w_hook)
         threads = _os_threads()
         start = time.monotonic()
-        error = None
+        error, raised_in = None, []
         try:
             with torch_ext.enabled():
                 loss.backward()
         except Exception as e:  # noqa: BLE001 - reported to the test
             error = f"{type(e).__name__}: {e}\n{''.join(getattr(e, '__notes__', []))}"
+            # Where it was raised: the Python frames the error passed through, innermost last.
+            raised_in = [
+                (os.path.basename(frame.filename), frame.name, frame.line)
+                for frame in traceback.extract_tb(e.__traceback__)
+            ]
         elapsed = time.monotonic() - start
         # The engine runs the next backward, a local one (the group may be broken).
         x = torch.randn(4, 4, requires_grad=True)
         (expected,) = torch.autograd.grad((x.tanh() * 3).sum(), x)
         with torch_ext.enabled():
             (x.tanh() * 3).sum().backward()
-        reference = None
+        reference = next_step = None
         if fault == "hook":
             # The group is intact here: stock's full backward of the same step, for the gradients that completed.
-            reference_loss, reference_leaves = _loss("none", rank, through)
+            reference_loss, reference_leaves, _ = _loss("none", rank, through)
             reference_loss.backward()
             reference = [leaf.grad for leaf in reference_leaves]
+            # And torch_ext's, of a fresh graph, communication included.
+            next_loss, next_leaves, _ = _loss("none", rank, through)
+            with torch_ext.enabled():
+                next_loss.backward()
+            next_step = [leaf.grad for leaf in next_leaves]
         report(
             {
                 "rank": rank,
@@ -117,6 +188,10 @@ def _rank(rank: int, port: int, fault: str, through: str, out_dir: str) -> None:
                 "next_backward": x.grad is not None and torch.equal(x.grad, expected),
                 "grads": [None if leaf.grad is None else leaf.grad.clone() for leaf in leaves],
                 "reference": reference,
+                "next_step": next_step,
+                "order": order,
+                "raised_in": raised_in,
+                "dense_reference": _stock_dense_grads(),
             }
         )
     except BaseException:  # noqa: BLE001 - a rank's crash goes to the test, whatever it was
@@ -151,7 +226,18 @@ def _run(fault: str, through: str, out_dir) -> dict[int, dict]:
     return collected
 
 
-@pytest.mark.parametrize("through", ["lane", "deferred_wait"])
+def _assert_dense_grads_are_stocks(result: dict) -> None:
+    """TorchRec's case: x's and w's gradients (the dense chain's, run while the all_to_all was in flight) completed
+    before the error, stock's bits; the table's, behind the failed wait, did not."""
+    x_grad, w_grad, table_grad = result["grads"]
+    assert table_grad is None, "the table's gradient came through a failed all_to_all"
+    assert x_grad is not None and w_grad is not None, "the dense backward did not complete while in flight"
+    assert all(
+        torch.equal(ours, stock) for ours, stock in zip((x_grad, w_grad), result["dense_reference"], strict=True)
+    )
+
+
+@pytest.mark.parametrize("through", ["lane", "deferred_wait", TORCHREC])
 def test_a_killed_peer_ends_the_survivors_backward_with_an_error(through, tmp_path):
     results = _run("killed", through, tmp_path)
     assert 1 not in results, "rank 1 was to die in its backward"
@@ -161,13 +247,25 @@ def test_a_killed_peer_ends_the_survivors_backward_with_an_error(through, tmp_pa
     assert survivor["threads_left"] <= 0 and survivor["next_backward"], survivor
     if through == "lane":
         assert "ExchangeBackward" in survivor["error"]  # the note naming the lane's node
+    if through == "torchrec":
+        # Rank 0 launched its all_to_all, ran the dense chain, and failed in the Req's node, waiting on the dead peer.
+        assert survivor["order"] == ["launch", "w", "wait"], survivor["order"]
+        assert survivor["raised_in"][-1] == TORCHREC_WAIT, survivor["raised_in"]
+        assert re.search("Connection (reset|closed) by peer", survivor["error"]), survivor["error"]
+        _assert_dense_grads_are_stocks(survivor)
 
 
-def test_a_hook_that_raises_while_the_lane_is_in_flight(tmp_path):
-    results = _run("hook", "lane", tmp_path)
+@pytest.mark.parametrize("through", ["lane", TORCHREC])
+def test_a_hook_that_raises_while_the_collective_is_in_flight(through, tmp_path):
+    results = _run("hook", through, tmp_path)
     failed, peer = results[0], results[1]
     assert failed["error"].startswith("ValueError: user hook failed"), failed["error"]
-    # The lane's collective had started on rank 0 and finished with its peer's: rank 1's backward completed.
+    if through == "torchrec":
+        # The hook (w's, after the dense chain) raised between the all_to_all's launch and its wait: in flight.
+        # The Req's node never ran on rank 0, so the table got no gradient; rank 1 launched and waited.
+        assert failed["order"] == ["launch", "w"], failed["order"]
+        assert failed["grads"][2] is None and peer["order"] == ["launch", "w", "wait"], (failed, peer)
+    # The collective had started on rank 0 and finished with its peer's: rank 1's backward completed.
     assert peer["error"] is None, peer["error"]
     assert failed["threads_left"] <= 0 and failed["next_backward"]
     # Every gradient rank 0 accumulated before the error is stock's full backward's, bit for bit.
@@ -176,11 +274,22 @@ def test_a_hook_that_raises_while_the_lane_is_in_flight(tmp_path):
     ]
     assert completed, "no gradient completed before the hook's error"
     assert all(torch.equal(ours, stock) for ours, stock in completed)
+    # The group still works: torch_ext's next backward, collective included, is stock's on both ranks.
+    for rank in (failed, peer):
+        assert all(torch.equal(ours, stock) for ours, stock in zip(rank["next_step"], rank["reference"], strict=True))
 
 
-def test_a_collective_that_times_out_raises_within_the_group_timeout(tmp_path):
-    results = _run("late", "lane", tmp_path)
+@pytest.mark.parametrize("through", ["lane", TORCHREC])
+def test_a_collective_that_times_out_raises_within_the_group_timeout(through, tmp_path):
+    results = _run("late", through, tmp_path)
     early = results[0]
     assert early["error"] is not None and early["elapsed"] < GROUP_TIMEOUT_S + 5, early
-    assert "ExchangeBackward" in early["error"], early["error"]
+    if through == "lane":
+        assert "ExchangeBackward" in early["error"], early["error"]
+    else:
+        # Rank 0 launched, ran the dense chain, and timed out in the Req's node waiting for its peer.
+        assert early["order"] == ["launch", "w", "wait"], early["order"]
+        assert early["raised_in"][-1] == TORCHREC_WAIT, early["raised_in"]
+        assert f"Timed out waiting {GROUP_TIMEOUT_S * 1000}ms" in early["error"], early["error"]
+        _assert_dense_grads_are_stocks(early)
     assert early["threads_left"] <= 0 and early["next_backward"], early
