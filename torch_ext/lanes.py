@@ -29,6 +29,7 @@ with an error on the first backward that would use that group's lane.
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,9 +40,11 @@ from torch_ext.collectives import _C, _LANE, FunctionClasses, _node_classes
 
 # Backward node class -> how to find its process group from the node's ctx.
 _GROUP_OF: dict[type, Callable[[Any], Any]] = {}
-# Groups already checked and handed to the engine, by id: the engine keys lanes by the group
-# object's address, so every group it was given stays alive here.
-_CHECKED_GROUPS: dict[int, Any] = {}
+# Groups already checked, by id. Weakly: a group held here would outlive destroy_process_group, and a
+# live gloo group's worker threads can abort the interpreter's exit (tests/distributed/test_clean_exit.py).
+# A dead group's entry goes with it, so a new group at the same address is checked afresh; while a call
+# runs, its nodes' ctx keep their groups (the lanes' keys) alive.
+_CHECKED_GROUPS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def _group_attribute(ctx: Any) -> Any:

@@ -488,7 +488,9 @@ uintptr_t lane_group_key(const torch::autograd::Node& fn) {
   if (!group) {
     throw python_error();
   }
-  // The resolver keeps every group it returned alive.
+  // The group outlives the call: the node's ctx holds it (ctx.group), or it
+  // is the default group. torch_ext.lanes holds it only weakly, so that
+  // destroy_process_group can free it (test_clean_exit.py says why).
   return reinterpret_cast<uintptr_t>(group.get());
 }
 

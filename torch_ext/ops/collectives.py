@@ -21,6 +21,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+# Imported now, not by the functional collectives' first call (through torch._dynamo): its functions'
+# default group=group.WORLD binds the default group live at import, which then outlives
+# destroy_process_group, and a live gloo group's threads can abort the interpreter's exit
+# (tests/distributed/test_clean_exit.py). Imported before init_process_group, it binds None. ~3 ms.
+import torch.distributed.nn
 from torch import Tensor
 
 from torch_ext._loader import load_extension
