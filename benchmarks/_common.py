@@ -271,6 +271,21 @@ def plot_efficiency_curves(ax, rows: Sequence[SummaryRow], title: str) -> None:
     ax.legend(fontsize=8)
 
 
+def exposed_past_the_slowest_rank(walls: Sequence[float], blocked: Sequence[float]) -> float:
+    """One step's exposed communication from each rank's backward: (wall seconds, blocked seconds) per rank, as
+    ``timed_blocking`` measured them. The step ends with its slowest rank's backward; what it waited beyond the
+    longest time any rank spent unblocked (computing, or waiting for a CPU) is communication nothing hid.
+
+    Not the slower rank's blocked time: a rank that reaches the collective first also waits for the other to
+    arrive. On the shaped link one rank's dense backward ending 5-14 ms after the other's at every deep point of a
+    quick run read as stock waiting 40-50 ms for an all_to_all that took 36 ms with no dense path (36 in the
+    runs before and after). Not the rank that waited least either: gloo's all_to_all keeps one rank ~20 ms and
+    the other ~36 ms in the same call, and the step pays the 36.
+    """
+    unblocked = max(wall - waited for wall, waited in zip(walls, blocked, strict=True))
+    return max(0.0, max(walls) - unblocked)
+
+
 def slowest_rank_samples(measure: Callable[[], float], reps: int) -> list[float]:
     """In a benchmark's rank, on every rank: ``reps`` calls of ``measure()`` (each starting the ranks together),
     each call's value the slowest rank's.

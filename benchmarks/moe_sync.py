@@ -15,11 +15,12 @@ capacity, combined back) beside a dense path, for each library:
   checked    the lane with the collective order check on (torch_ext.check_collective_order): its cost
 
 T_comm is how long stock's backward waits for the all_to_all in the same layer with no dense path, the median of
-15 steps' slower rank (``_common.slowest_rank_samples`` says why not the all_to_all timed alone). The dense
-path's backward is swept over multiples of T_comm (--ratios). At each point, per repetition, exposed
-communication = the time the backward's thread was blocked (``_common.timed_blocking``: waiting for the
-all_to_all inside the node, or for the lane's result where the expert's backward needs it), the slower rank's;
-overlap efficiency = 1 - exposed / T_comm. The ideal is min(1, ratio) (only the dense path can hide the
+15 steps (``_common.slowest_rank_samples`` says why not the all_to_all timed alone). The dense path's backward is
+swept over multiples of T_comm (--ratios). At each point, per repetition, each rank's backward thread's blocked
+time is measured (``_common.timed_blocking``: waiting for the all_to_all inside the node, or for the lane's
+result where the expert's backward needs it); exposed communication = the slowest rank's backward minus the
+longest time any rank spent unblocked in it (``_common.exposed_past_the_slowest_rank``: a rank's wait for the
+other to arrive is not communication), and overlap efficiency = 1 - exposed / T_comm. The ideal is min(1, ratio) (only the dense path can hide the
 all_to_all; the expert's backward needs its result). Beside it, the backward's excess over the
 communication-free ``compute`` variant (``over_compute_ms``): what the communication costs the step in all, the
 gap of two noisy times. Reported per library and ratio: backward and step time (forward, backward and an SGD
@@ -48,12 +49,12 @@ from _common import (
     SummaryRow,
     csv_row,
     dense_layer_backward_s,
+    exposed_past_the_slowest_rank,
     git_sha,
     parse_ratios,
     plot_efficiency_curves,
     progress,
     runnable_tasks,
-    slowest_rank_samples,
     summarize,
     sweep_case,
     sweep_cases,
@@ -77,7 +78,7 @@ MAX_DENSE_LAYERS = 64
 # The dense path's backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
 RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
 QUICK_RATIOS = (0.5, 1.0, 2.0)
-# T_comm: stock's wait in a layer with no dense path, the median of this many steps' slower rank, after a few
+# T_comm: stock's wait in a layer with no dense path, the median of this many steps, after a few
 # untimed ones (a process's first all_to_alls are slower: the first library's read 1.5-1.8x the later ones').
 WARMUP_STEPS = 3
 COMM_CALIBRATION_REPS = 15
@@ -176,15 +177,15 @@ def _check_group():
 
 def _step(model: Layer, optimizer, tokens: torch.Tensor, variant: str, function: type) -> dict[str, float]:
     """Seconds of a forward, backward and SGD step (``step_s``), of its backward (``backward_s``) and blocked in
-    the backward (``exposed_s``), the ranks started together."""
+    the backward (``blocked_s``), the ranks started together."""
     dist.barrier()
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss = model(tokens, communicate=variant != "compute")
     with variant_engine(variant, function):
-        backward_s, exposed_s = timed_blocking(loss.backward)
+        backward_s, blocked_s = timed_blocking(loss.backward)
     optimizer.step()
-    return {"step_s": time.perf_counter() - start, "backward_s": backward_s, "exposed_s": exposed_s}
+    return {"step_s": time.perf_counter() - start, "backward_s": backward_s, "blocked_s": blocked_s}
 
 
 def _check_bits(model: Layer, tokens: torch.Tensor, function: type, rank: int, library: str) -> None:
@@ -201,14 +202,22 @@ def _check_bits(model: Layer, tokens: torch.Tensor, function: type, rank: int, l
 
 
 def _calibrate_comm(all_to_all: Callable, function: type, tokens: torch.Tensor) -> list[float]:
-    """T_comm's samples: stock's blocked time in a layer with no dense path, each step's slower rank's."""
+    """T_comm's samples: how long stock's backward waits for the all_to_all in a layer with no dense path, each
+    step's as the sweep's points read it (_common.exposed_past_the_slowest_rank)."""
     probe = Layer(all_to_all, 0)
     optimizer = torch.optim.SGD(probe.parameters(), lr=1e-4)
     for _ in range(WARMUP_STEPS):
         _step(probe, optimizer, tokens, "stock", function)
-    return slowest_rank_samples(
-        lambda: _step(probe, optimizer, tokens, "stock", function)["exposed_s"], COMM_CALIBRATION_REPS
-    )
+    steps = [_step(probe, optimizer, tokens, "stock", function) for _ in range(COMM_CALIBRATION_REPS)]
+    mine = torch.tensor([[step["backward_s"], step["blocked_s"]] for step in steps], dtype=torch.float64)
+    every_rank = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every_rank, mine)
+    return [
+        exposed_past_the_slowest_rank(
+            [rank[i, 0].item() for rank in every_rank], [rank[i, 1].item() for rank in every_rank]
+        )
+        for i in range(COMM_CALIBRATION_REPS)
+    ]
 
 
 def _run_library(library: str, ratios: Sequence[float], reps: int, warmup: int, t_layer: float) -> dict:
@@ -225,7 +234,7 @@ def _run_library(library: str, ratios: Sequence[float], reps: int, warmup: int, 
         model = Layer(all_to_all, dense_layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
         _check_bits(model, tokens, function, rank, library)
-        samples = {variant: {"backward_s": [], "step_s": [], "exposed_s": []} for variant in TIMED_VARIANTS}
+        samples = {variant: {"backward_s": [], "step_s": [], "blocked_s": []} for variant in TIMED_VARIANTS}
         for rep in range(warmup + reps):
             # Alternate the variants within each repetition, rotating which goes first, so drift in the
             # machine's load spreads evenly over them.
@@ -259,7 +268,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
     rows = []
     for library in results[0]:
         first = results[0][library]
-        # comm_s is already each step's slower rank's (slowest_rank_samples): the same on every rank.
+        # comm_s is already each step's, from both ranks' times (_calibrate_comm): the same on every rank.
         comm = summarize([t * 1e3 for t in first["comm_s"]])
         t_comm = comm.median / 1e3
         name = LIBRARY_NAMES[library]
@@ -274,9 +283,11 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
         rows.append(csv_row("comm", library, f"{CAPACITY} tokens x {DIM}d per expert, {link}", "t_comm_ms", comm, sha))
         for index, point in enumerate(first["points"]):
 
-            def slowest(variant: str, metric: str, index=index, library=library) -> list[float]:
-                per_rank = [r[library]["points"][index]["samples"][variant][metric] for r in results]
-                return [max(times) for times in zip(*per_rank, strict=True)]
+            def per_rank(variant: str, metric: str, index=index, library=library) -> list[list[float]]:
+                return [r[library]["points"][index]["samples"][variant][metric] for r in results]
+
+            def slowest(variant: str, metric: str) -> list[float]:
+                return [max(times) for times in zip(*per_rank(variant, metric), strict=True)]
 
             compute = slowest("compute", "backward_s")
             case = sweep_case(library, point["ratio"])
@@ -292,7 +303,14 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
                 rows.append(csv_row(variant, case, size, "step_ms", step_summary, sha))
                 exposed_text = efficiency_text = over_text = ""
                 if variant != "compute":
-                    exposed = slowest(variant, "exposed_s")
+                    exposed = [
+                        exposed_past_the_slowest_rank(walls, blocked)
+                        for walls, blocked in zip(
+                            zip(*per_rank(variant, "backward_s"), strict=True),
+                            zip(*per_rank(variant, "blocked_s"), strict=True),
+                            strict=True,
+                        )
+                    ]
                     exposed_ms = summarize([e * 1e3 for e in exposed])
                     efficiency = summarize([1 - e / t_comm for e in exposed])
                     # The same repetition's communication-free backward: what the step costs beyond it.
