@@ -23,9 +23,8 @@ Each step is timed as a whole (forward, backward, the dense SGD update; the tabl
 their backward) and its backward alone. The exposed communication is the time the wait node
 (``All2All_Pooled_ReqBackward``) blocks, measured by hooks on that node (before and after it runs), the
 slower rank's; overlap efficiency = 1 - exposed / T_comm: 0 when the whole transfer is waited for there, 1
-when it had already arrived. (moe_sync.py takes the exposed time as the backward minus a communication-free
-backward's; TorchRec's sharded collection has no communication-free form that computes the same, and the wait
-node is where the step blocks on the transfer.) T_comm is how long stock's wait node blocks in a DLRM with
+when it had already arrived. (overlap.py and moe_sync.py take it from the backward thread's blocked time,
+_common.timed_blocking; the wait node is where this step blocks on the transfer.) T_comm is how long stock's wait node blocks in a DLRM with
 no dense layer to hide the transfer behind, the median of 15 steps' slower rank (_common.slowest_rank_samples).
 
 The dense arch is not wrapped in DistributedDataParallel (``init_data_parallel=False``): DDP's all_reduce of its
