@@ -24,8 +24,9 @@ their backward) and its backward alone. The exposed communication is the time th
 (``All2All_Pooled_ReqBackward``) blocks, measured by hooks on that node (before and after it runs), the
 slower rank's; overlap efficiency = 1 - exposed / T_comm: 0 when the whole transfer is waited for there, 1
 when it had already arrived. (overlap.py and moe_sync.py take it from the backward thread's blocked time,
-_common.timed_blocking; the wait node is where this step blocks on the transfer.) T_comm is how long stock's wait node blocks in a DLRM with
-no dense layer to hide the transfer behind, the median of 15 steps' slower rank (_common.slowest_rank_samples).
+_common.timed_blocking; the wait node is where this step blocks on the transfer.) T_comm is how long stock's
+wait node blocks in a DLRM with no dense layer to hide the transfer behind, the median of 15 steps' slower
+rank (_common.slowest_rank_samples).
 
 The dense arch is not wrapped in DistributedDataParallel (``init_data_parallel=False``): DDP's all_reduce of its
 gradients would share the link with the all_to_all and set the dense arch's backward by its traffic.

@@ -87,14 +87,18 @@ def _region_peak_bytes(profiler: profile, region_name: str) -> int:
     # The region's own thread's allocations are its descendants in the tree, whatever their timestamps say: a
     # test's one allocation inside a region was once left out, its timestamp read just outside the region's span
     # (the region read 0 bytes, on a loaded machine). Other threads' are found by their timestamps.
-    inside = {_key(event): event for event in _all_events([region]) if event.tag == _EventType.Allocation}
-    for event in events:
-        if event.tag == _EventType.Allocation and region.start_time_ns <= event.start_time_ns <= region.end_time_ns:
-            inside.setdefault(_key(event), event)
+    inside = dict.fromkeys(_key(event) for event in _all_events([region]) if event.tag == _EventType.Allocation)
+    inside.update(
+        dict.fromkeys(
+            _key(event)
+            for event in events
+            if event.tag == _EventType.Allocation and region.start_time_ns <= event.start_time_ns <= region.end_time_ns
+        )
+    )
     if not inside:
         return 0
     levels = _levels_without_unknown_frees(events)
-    allocations = sorted(inside, key=lambda key: key[0])
+    allocations = sorted(inside, key=lambda key: key[0])  # by start time, ties in the order found
     level, counted = levels[allocations[0]]
     level_at_start = level - counted
     return max(0, max(levels[key][0] for key in allocations) - level_at_start)
@@ -105,10 +109,11 @@ def _levels_without_unknown_frees(events: list) -> dict[tuple[int, int, int], tu
     session did not see allocated.
 
     The reporter learns a block's size at its allocation while any memory profiling is on, and forgets it only
-    at a free while profiling is on. A block allocated under an earlier profiler and freed after it keeps its
-    entry, and a later block at the same address, allocated with profiling off, is then reported freed, with
-    the old size: invisible as the module says it is, yet counted. A test region's 4000 bytes read 0 in about
-    1 of 3 full-suite runs, after other tests had profiled memory.
+    at a free while profiling is on. So it reports the free of a block an earlier profiler saw allocated, and of
+    a later block at the address of one allocated under an earlier profiler and freed after it (with the old
+    size). Such a block was made before this session, so its free must not count. Counted, it is the likely
+    reason a test region's 4000 bytes read 0 in about 1 of 3 full-suite runs, after other tests had profiled
+    memory (the first case reproduces that reading: test_backward_memory.py).
     """
     allocations = sorted((e for e in events if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)
     live: set[int] = set()
