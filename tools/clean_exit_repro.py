@@ -70,27 +70,16 @@ def _rank(case: str, rank: int, port: int, preimport: bool, leave: bool) -> None
             torch_ext.backward(torch_ext.ops.all_to_all_single(x * 1.0).sum() + torch.tanh(x @ w).sum())
     else:
         import torch_ext
+        from torch_ext.testing import SyncAllToAll
 
-        class Exchange(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                ctx.group = dist.group.WORLD
-                return x * 2
-
-            @staticmethod
-            def backward(ctx, grad):
-                received = torch.empty_like(grad)
-                dist.all_to_all_single(received, grad.contiguous(), group=ctx.group)
-                return received
-
-        torch_ext.run_in_lane(Exchange)
+        torch_ext.run_in_lane(SyncAllToAll)
         x, w = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
         for _ in range(5):
             dense = x
             for _ in range(8):
                 dense = torch.tanh(dense @ w)
             with torch_ext.enabled():
-                (Exchange.apply(x @ w).sum() + dense.sum()).backward()
+                (SyncAllToAll.apply(x @ w).sum() + dense.sum()).backward()
     if case != "stock-no-destroy":
         dist.destroy_process_group()
     if leave:

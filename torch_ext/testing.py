@@ -1,8 +1,9 @@
-"""Models that torch_ext's tests and benchmarks both build, in one place.
+"""Models that torch_ext's tests, benchmarks and tools build, in one place.
 
 The TorchRec DLRM sharded table-wise over the ranks of the default process group (tests/distributed/test_torchrec.py,
 tests/distributed/test_verify_distributed.py, benchmarks/recsys_torchrec.py). TorchRec is imported only when one is
-built.
+built. ``SyncAllToAll``, a synchronous all_to_all as Megatron-core writes it (tests/distributed/test_collective_order.py,
+tools/clean_exit_repro.py).
 """
 
 from __future__ import annotations
@@ -90,3 +91,20 @@ def dlrm_batch(
     sparse = KeyedJaggedTensor.from_lengths_sync(keys=[f"f{i}" for i in range(tables)], values=values, lengths=lengths)
     labels = torch.randint(0, 2, (batch,), generator=generator).float()
     return dense, sparse, labels
+
+
+class SyncAllToAll(torch.autograd.Function):
+    """Megatron-core's ``_AllToAll`` in miniature: forward doubles ``x``; backward exchanges the gradient with an
+    ``all_to_all_single`` over the default group, synchronously, inside its node (``ctx.group``, as Megatron-core
+    and DeepSpeed save it: what ``torch_ext.run_in_lane`` reads)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.group = dist.group.WORLD
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        received = torch.empty_like(grad)
+        dist.all_to_all_single(received, grad.contiguous(), group=ctx.group)
+        return received

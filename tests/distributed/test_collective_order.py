@@ -11,39 +11,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from _harness import run_ranks
 
 import torch_ext
 import torch_ext.ops
+from torch_ext.testing import SyncAllToAll
 
 pytestmark = pytest.mark.distributed
-
-
-class Exchange(torch.autograd.Function):
-    """A synchronous all_to_all over WORLD, as Megatron's _AllToAll: declared to a lane."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.group = dist.group.WORLD
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        received = torch.empty_like(grad)
-        dist.all_to_all_single(received, grad.contiguous(), group=ctx.group)
-        return received
 
 
 def _model_loss(rank: int, extra_on_rank: int | None, priority_on_rank: int | None) -> tuple[torch.Tensor, list]:
     torch.manual_seed(0)
     x = torch.randn(4, 6, requires_grad=True)
     y = torch.randn(8, 6, requires_grad=True)
-    small = Exchange.apply(x.tanh())
-    large = Exchange.apply(y.sin())
+    small = SyncAllToAll.apply(x.tanh())
+    large = SyncAllToAll.apply(y.sin())
     loss = small.sum() + torch_ext.ops.all_reduce(large).sum()
     if rank == extra_on_rank:
-        loss = loss + Exchange.apply(x.cos()).sum()
+        loss = loss + SyncAllToAll.apply(x.cos()).sum()
     if rank == priority_on_rank:
         # Below the automatic collective priority: on this rank only, the small all_to_all runs after the large
         # one (which otherwise waits behind it: it reads the all_reduce's result in flight).
@@ -52,7 +37,7 @@ def _model_loss(rank: int, extra_on_rank: int | None, priority_on_rank: int | No
 
 
 def _run(rank: int) -> dict:
-    torch_ext.run_in_lane(Exchange)
+    torch_ext.run_in_lane(SyncAllToAll)
     torch_ext.check_collective_order()
     results = {}
     for case, (extra, priority) in {"agree": (None, None), "extra": (1, None), "priority": (None, 1)}.items():
@@ -100,7 +85,7 @@ def test_diverging_ranks_all_raise_naming_the_first_difference(results, case):
     assert "rank 0:" in message and "rank 1:" in message
     if case == "extra":
         # Rank 1's extra all_to_all comes first in its order (created last in forward).
-        assert "#0 ExchangeBackward" in message
+        assert "#0 SyncAllToAllBackward" in message
     else:
         assert "float32[8, 6]" in message and "float32[4, 6]" in message
 
