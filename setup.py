@@ -102,7 +102,11 @@ setup(
             # their lanes), bindings/ (Python and torch.library). Headers are included by that path.
             sorted(glob.glob(os.path.join("csrc", "*", "*.cpp"))),
             include_dirs=[os.path.join(HERE, "csrc")],
-            extra_compile_args={"cxx": ["-O2", "-g0"]},
+            # TORCH_EXT_CXXFLAGS come after these, so they win, and TORCH_EXT_LDFLAGS go to the linker: a
+            # sanitizer build (tools/sanitize.sh) sets "-fsanitize=address,undefined ... -g -O1" with them.
+            # (CFLAGS reach the compiler too, but before -O2 -g0, losing the debug information.)
+            extra_compile_args={"cxx": ["-O2", "-g0", *os.environ.get("TORCH_EXT_CXXFLAGS", "").split()]},
+            extra_link_args=os.environ.get("TORCH_EXT_LDFLAGS", "").split(),
         )
     ],
     cmdclass={"build_ext": BuildWithInfo.with_options(use_ninja=True)},

@@ -7,18 +7,19 @@
 #
 # Environment (defaults in brackets):
 #   SANITIZE_DIR      the copy [/tmp/torch_ext-asan]; a rerun recompiles only what changed
-#   SANITIZE_CFLAGS   compile flags, after setup.py's -O2 -g0 so they win [ASan+UBSan, -g -O1, frame pointers].
-#                     -fno-sanitize=vptr is needed: UBSan's vptr check references typeinfo that libtorch_python
-#                     does not export (undefined symbol _ZTIN5torch8autograd17PyAnomalyMetadataE at import).
-#   SANITIZE_LDFLAGS  link flags [-fsanitize=address,undefined]
+#   TORCH_EXT_CXXFLAGS  compile flags, which setup.py puts after its -O2 -g0 so they win [ASan+UBSan, -g -O1,
+#                       frame pointers]. -fno-sanitize=vptr is needed: UBSan's vptr check references typeinfo
+#                       that libtorch_python does not export (undefined symbol
+#                       _ZTIN5torch8autograd17PyAnomalyMetadataE at import).
+#   TORCH_EXT_LDFLAGS   link flags [-fsanitize=address,undefined]
 #   ASAN_OPTIONS / UBSAN_OPTIONS  replace the defaults below; MAX_JOBS: ninja's parallelism [2]
 set -euo pipefail
 
 SRC=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 DIR=${SANITIZE_DIR:-/tmp/torch_ext-asan}
 LOGS=$DIR/sanitizer-logs
-export SANITIZE_CFLAGS=${SANITIZE_CFLAGS:-"-fsanitize=address,undefined -fno-sanitize=vptr -fno-omit-frame-pointer -g -O1"}
-export SANITIZE_LDFLAGS=${SANITIZE_LDFLAGS:-"-fsanitize=address,undefined"}
+export TORCH_EXT_CXXFLAGS=${TORCH_EXT_CXXFLAGS:-"-fsanitize=address,undefined -fno-sanitize=vptr -fno-omit-frame-pointer -g -O1"}
+export TORCH_EXT_LDFLAGS=${TORCH_EXT_LDFLAGS:-"-fsanitize=address,undefined"}
 
 # 1. Copy the tracked files as they are in the working tree; -p keeps their times, so ninja rebuilds only
 #    what changed. csrc/ is replaced whole: setup.py globs it, and a deleted source must not linger.
@@ -26,25 +27,11 @@ mkdir -p "$DIR"
 rm -rf "$DIR/csrc"
 (cd "$SRC" && git ls-files -z | xargs -0 cp -p --parents -t "$DIR")
 
-# 2. setup.py takes no sanitizer flags (CFLAGS would reach the compiler, but before its -O2 -g0, and so lose
-#    the debug info): make the copy's extension read SANITIZE_CFLAGS / SANITIZE_LDFLAGS.
-python - "$DIR/setup.py" <<'EOF'
-import sys
-path = sys.argv[1]
-text = open(path).read()
-old = 'extra_compile_args={"cxx": ["-O2", "-g0"]},'
-new = ('extra_compile_args={"cxx": ["-O2", "-g0", *os.environ.get("SANITIZE_CFLAGS", "").split()]},\n'
-       '            extra_link_args=os.environ.get("SANITIZE_LDFLAGS", "").split(),')
-if old not in text:
-    sys.exit(f"{path}: extra_compile_args changed; update tools/sanitize.sh's patch")
-open(path, "w").write(text.replace(old, new))
-EOF
-
 # This machine's convention: benchmarks that need a quiet CPU hold this file.
 while [ -e /tmp/TIMING_IN_PROGRESS ]; do sleep 20; done
 (cd "$DIR" && MAX_JOBS=${MAX_JOBS:-2} python setup.py build_ext --inplace)
 
-# 3. torch and python are not instrumented, so the ASan runtime is preloaded (it must come first). libstdc++
+# 2. torch and python are not instrumented, so the ASan runtime is preloaded (it must come first). libstdc++
 #    too: preloaded alone, ASan finds no __cxa_throw to wrap and aborts at torch's first C++ throw
 #    ("CHECK failed: asan_interceptors.cpp:320 real___cxa_throw != 0"). Spawned ranks inherit all of it.
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
@@ -55,7 +42,7 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-"print_stacktrace=1:log_path=$LOGS/ubsan"}
 export PYTHONPATH=$DIR  # ahead of an editable install of the checkout; the tests check torch_ext.__file__
 rm -rf "$LOGS" && mkdir -p "$LOGS"
 
-# 4. The fault, lane and collective tests, then the engine's. test_census_sees_retained_graphs is left out:
+# 3. The fault, lane and collective tests, then the engine's. test_census_sees_retained_graphs is left out:
 #    it reads glibc's mallinfo2, which is 0 under ASan's allocator.
 TESTS=(
   tests/distributed/test_faults.py tests/test_lanes.py tests/distributed/test_collective_order.py
