@@ -5,8 +5,8 @@ On two machines a user runs, on machine i (0 or 1)::
     torchrun --nnodes 2 --node-rank i --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint host0:29500 script.py
 
 Here each "machine" is a network namespace of its own, joined to the other by a veth pair whose both ends are
-shaped to LINK_RATE with HTB (a NIC that moves bytes without the CPU: DESIGN.md, "Measuring overlap on this
-machine"). Each namespace gets its own host name (a UTS namespace, ``hostname hostI``) and an ``/etc/hosts``
+shaped to LINK_RATE with HTB (a NIC that moves bytes without the CPU: docs/design.md, "Measuring overlap on
+this machine"). Each namespace gets its own host name (a UTS namespace, ``hostname hostI``) and an ``/etc/hosts``
 naming both hosts (``/etc/netns/<namespace>/hosts``, which ``ip netns exec`` mounts over ``/etc/hosts``), so
 that the torchrun line above runs unchanged: node 0 finds that it hosts the rendezvous store because the
 endpoint is its own name, every rank learns rank 0's address from its host name, and gloo binds to the address

@@ -42,7 +42,7 @@ Only the dense MLP can hide it (the embedding's backward needs its result), so t
 min(1, ratio).
 
 On this machine's loopback, gloo's transfer is kernel memcpy on the same two cores the ranks compute
-on, so nothing can overlap (DESIGN.md, "Measuring overlap on this machine"). A real NIC moves bytes
+on, so nothing can overlap (docs/design.md, "Measuring overlap on this machine"). A real NIC moves bytes
 without the CPU; to model one, the ranks run as two hosts (``_hosts.run_on_two_hosts``): two network
 namespaces joined by a veth pair shaped to 1 Gbit/s with HTB, each rank started by ``torchrun
 --nnodes 2 --rdzv-backend c10d`` in its own, as on two machines (needs root, iproute2 and util-linux).

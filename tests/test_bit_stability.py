@@ -3,7 +3,7 @@
 A node's input buffer adds the gradients reaching it in arrival order, and floating-point addition is
 not associative. Two gradients commute (``a + b == b + a`` exactly), but from three on, running the
 producers in another order (priorities, ``launch_first``, a collective's deferred wait) changes the last
-bits unless the engine adds them in the order stock's engine would have delivered them (DESIGN.md, "Bits
+bits unless the engine adds them in the order stock's engine would have delivered them (docs/design.md, "Bits
 under any order"). Every check here is torch.equal against stock PyTorch on the same graph, never a
 tolerance:
 

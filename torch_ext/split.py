@@ -13,7 +13,7 @@ weight gradient. The gradients arriving at the frontier of the weight subgraph s
 with the frontier nodes' saved tensors; every other saved tensor of the dI pass is freed when it
 returns. The dW pass resumes from there and accumulates each weight's gradient through its
 AccumulateGrad, so ``.grad``, post-accumulate-grad hooks and DDP/FSDP hooks see what a full backward
-gives them; the two passes together compute the same bits as one full backward. See DESIGN.md,
+gives them; the two passes together compute the same bits as one full backward. See docs/design.md,
 "Split backward", and csrc/engine/split_backward.h.
 """
 

@@ -1,7 +1,8 @@
 #pragma once
 
 // Collective lanes: where a synchronous collective's node runs beside the
-// rest of one backward call (DESIGN.md, "Collectives other libraries wrote").
+// rest of one backward call (docs/design.md, "Collectives other libraries
+// wrote").
 //
 // Megatron-core's and DeepSpeed's _AllToAll run the gradient's all_to_all
 // inside their backward node and return once the bytes have arrived. Run

@@ -213,7 +213,7 @@ struct GraphPlan {
   // gradients this pass computes (split_backward.h).
   bool narrows_needs_input_grad = false;
 
-  // Bit-stable accumulation (DESIGN.md, "Bits under any order"), filled by
+  // Bit-stable accumulation (docs/design.md, "Bits under any order"), filled by
   // order_deliveries_as_stock (schedule_replay.h) for a call that may run
   // producers out of stock's order. Indexed by edge id: slot s's i-th next
   // edge is slots[s].first_edge + i; root edge r is edge_targets.size() + r.

@@ -6,8 +6,8 @@
 // An extension cannot create or install a GraphTask, so torch_ext asks the
 // stock engine to run one: its only root is BackwardDriver, whose apply()
 // runs torch_ext's discovery, scheduler and executor over the real graph on
-// the same thread, while that task is current. See DESIGN.md, "The host-task
-// pattern".
+// the same thread, while that task is current. See docs/design.md, "The
+// host-task pattern".
 
 #include "engine/host_task.h"
 #include "engine/engine_api.h"

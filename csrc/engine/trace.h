@@ -7,7 +7,8 @@
 // tracing is on (one relaxed atomic load); when it is off the call holds no
 // CallTrace and every hook in the executor is a null-pointer test. When on,
 // the call records into its own CallTrace, touched only by the thread running
-// the call (every node of a call runs on one thread, see DESIGN.md), so
+// the call (every node of a call runs on one thread, see docs/design.md,
+// "The host-task pattern"), so
 // recording an event takes no lock; the call hands its events to the global
 // recorder once, when it finishes. A call is in the trace if tracing was on
 // when it started and still on, in the same session, when it finished.
