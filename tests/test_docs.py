@@ -154,14 +154,14 @@ def test_the_checks_see_links_and_anchors(tmp_path):
     assert links(page) == [(5, "guides/moe.md#x"), (6, "api.rst"), (6, "figure one.png"), (8, "../shared/x.md")]
     assert heading_anchors(page) == {"a-page", "a-page-1", "mixture-of-experts-megatron-cores-_alltoall"}
     readme = REPO / "README.md"
-    assert link_problem(readme, "../shared/docs/DESIGN.md") == "points outside the repository"
+    assert link_problem(readme, "../shared/docs/brief.md") == "points outside the repository"
     assert link_problem(readme, "docs/guides/moe.md#collective-lane") is not None
     assert link_problem(readme, "docs/guides/moe.md#the-collective-lane") is None
     assert link_problem(readme, "docs/no-such-page.md") is not None
 
 
 def test_nothing_points_at_the_design_brief_outside_the_repository():
-    # The design lives in docs/design.md; the brief it came from (DESIGN.md in a folder beside the checkout) is
+    # The design lives in docs/design.md; the brief it came from (in a shared folder beside the checkout) is
     # not part of the repository, and a reader of the code or of GitHub cannot open it.
     outside = re.compile(r"DESIGN\.md|\.\./shared|shared/docs")
     found = [
