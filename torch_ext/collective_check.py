@@ -5,10 +5,16 @@ On every rank, the collectives of one process group must be issued in the same o
 breaks it is a graph or a priority that differs by rank. With the check on, before torch_ext starts each
 collective it knows of (its own ops, PyTorch's functional collectives, TorchRec's launches, lane nodes), and
 at the end of each backward that issued any, the ranks exchange a fingerprint of it over a gloo group of
-their own: the node's name, its place in the call's sequence of collectives, the ranks of its group where
-the node says (``ctx.group``), and the shapes and dtypes of the gradients it was given. A mismatch raises
-on every rank, naming the first collective that differs and each rank's sequence up to it, where the
+their own: the node's name, its place in the call's sequence of collectives, which collective it is (its
+index among the call's collective nodes in the order forward made them), the ranks of its group where the
+node says (``ctx.group``), and the shapes and dtypes of the gradients it was given. A mismatch raises on
+every rank, naming the first collective that differs and each rank's sequence up to it, where the
 collective itself would have hung or mixed up data.
+
+The identity matters most where the shapes agree: two all_to_alls of one shape (an MoE layer's dispatch and
+combine) started in opposite orders on two ranks do not hang; gloo and NCCL pair them and mix up the data.
+Their kinds match, but one rank starts forward's first and the other forward's second. The index counts
+collective nodes only, so autograd work one rank does outside them (logging, metrics) does not shift it.
 
 Like ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for c10d, it is a debugging aid: each collective costs one small
 extra exchange (benchmarks/moe_sync.py measures it). Switch it on with :func:`check_collective_order`, or
@@ -42,23 +48,23 @@ def _group_ranks(node: Any) -> tuple[int, ...] | None:
         return (-1, size()) if callable(size) else None
 
 
-def _fingerprint(node: Any, position: int, inputs: list | None) -> tuple:
+def _fingerprint(node: Any, position: int, identity: int, inputs: list | None) -> tuple:
     if node is None:
         return ("end of backward", position)
     name = node if isinstance(node, str) else node.name()
     gradients = tuple(
         None if t is None else (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in inputs or ()
     )
-    return (name, position, _group_ranks(node), gradients)
+    return (name, position, identity, _group_ranks(node), gradients)
 
 
 def _describe(fingerprint: tuple) -> str:
     if fingerprint[0] == "end of backward":
         return f"end of backward after {fingerprint[1]} collective(s)"
-    name, position, ranks, gradients = fingerprint
+    name, position, identity, ranks, gradients = fingerprint
     where = "" if ranks is None else f" on ranks {list(ranks)}"
     shapes = ", ".join("undefined" if g is None else f"{g[1]}{list(g[0])}" for g in gradients)
-    return f"#{position} {name}{where} given ({shapes})"
+    return f"#{position} {name} (forward's collective #{identity}){where} given ({shapes})"
 
 
 class _Checker:
@@ -82,8 +88,8 @@ class _Checker:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         return self._group
 
-    def __call__(self, node: Any, position: int, inputs: list | None) -> None:
-        fingerprint = _fingerprint(node, position, inputs)
+    def __call__(self, node: Any, position: int, identity: int, inputs: list | None) -> None:
+        fingerprint = _fingerprint(node, position, identity, inputs)
         history = getattr(self._local, "history", [])
         if position == 0 and node is not None:
             history = []

@@ -432,9 +432,11 @@ PyMethodDef collective_methods[] = {
     {"set_collective_checker",
      py_set_collective_checker,
      METH_O,
-     "set_collective_checker(fn or None): fn(node, position, inputs) before "
-     "each collective a call issues (node None and inputs None at its end, "
-     "position the count); None switches the check off."},
+     "set_collective_checker(fn or None): fn(node, position, identity, "
+     "inputs) before each collective a call issues, identity its index among "
+     "the call's collectives in creation order (node None, identity -1 and "
+     "inputs None at its end, position the count); None switches the check "
+     "off."},
     {"set_lane_group_resolver",
      py_set_lane_group_resolver,
      METH_O,
@@ -502,15 +504,17 @@ namespace {
 void call_collective_checker(
     PyObject* node,
     int32_t position,
+    int32_t identity,
     PyObject* inputs) {
   if (collective_checker == nullptr) {
     return; // switched off since the call started
   }
   THPObjectPtr checked(PyObject_CallFunction(
       collective_checker,
-      "OiO",
+      "OiiO",
       node,
       static_cast<int>(position),
+      static_cast<int>(identity),
       inputs));
   if (!checked) {
     throw python_error();
@@ -521,6 +525,7 @@ void call_collective_checker(
 void check_collective(
     const torch::autograd::Node& fn,
     int32_t position,
+    int32_t identity,
     const torch::autograd::variable_list& inputs) {
   pybind11::gil_scoped_acquire gil;
   // Collective nodes are Python Functions' (collective_role); another node
@@ -544,12 +549,12 @@ void check_collective(
     }
     PyList_SET_ITEM(gradients.get(), static_cast<Py_ssize_t>(i), gradient);
   }
-  call_collective_checker(node.get(), position, gradients.get());
+  call_collective_checker(node.get(), position, identity, gradients.get());
 }
 
 void check_end_of_collectives(int32_t count) {
   pybind11::gil_scoped_acquire gil;
-  call_collective_checker(Py_None, count, Py_None);
+  call_collective_checker(Py_None, count, -1, Py_None);
 }
 
 void raise_if_interrupted() {

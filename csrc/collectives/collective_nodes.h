@@ -86,13 +86,16 @@ std::exception_ptr name_lane_node_in_error(
 // The collective order check (torch_ext.check_collective_order): whether it
 // is on, and its two questions, each asked with the GIL. `check_collective`
 // before the node `fn` that issues a collective starts, as the call's
-// `position`-th one, with `inputs` the gradients it was given;
+// `position`-th one and the `identity`-th the graph's forward made (its
+// index among the call's collective nodes in creation order), with `inputs`
+// the gradients it was given;
 // `check_end_of_collectives` when a call issued `count` and no more. Both
 // compare with the other ranks and raise (python_error) on a mismatch.
 bool collective_check_enabled();
 void check_collective(
     const torch::autograd::Node& fn,
     int32_t position,
+    int32_t identity,
     const torch::autograd::variable_list& inputs);
 void check_end_of_collectives(int32_t count);
 

@@ -339,6 +339,12 @@ class BackwardCall {
   std::unordered_map<c10::Device, c10::Stream> side_streams_;
   // Per slot, its place in the collective sequence, or kNoSlot.
   std::vector<int32_t> sequence_place_;
+  // Per slot of the sequence, which of the sequence's collectives forward
+  // made it: its index among them by sequence_nr (creation order). The order
+  // check's identity of a collective: ranks running the same program agree
+  // on it whatever order they start the collectives in, and autograd work
+  // outside the collectives (one rank's logging) does not shift it.
+  std::vector<int32_t> creation_place_;
   int32_t next_in_sequence_ = 0;
   // Nodes of the sequence that became ready before their turn.
   std::vector<int32_t> parked_;

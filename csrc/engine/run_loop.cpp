@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_metadata.h>
 
+#include <algorithm>
 #include <functional>
 #include <mutex>
 
@@ -217,11 +218,21 @@ void BackwardCall::run(Node* host_node) {
 
 void BackwardCall::build_collective_sequence() {
   sequence_place_.assign(plan_.slots.size(), kNoSlot);
-  int32_t place = 0;
+  creation_place_.assign(plan_.slots.size(), kNoSlot);
+  std::vector<int32_t> sequence;
   for (const int32_t s : planned_run_slots(plan_)) {
     if (plan_.slots[s].collective) {
-      sequence_place_[s] = place++;
+      sequence_place_[s] = static_cast<int32_t>(sequence.size());
+      sequence.push_back(s);
     }
+  }
+  // Every node of one graph was made on one thread in forward, whose
+  // sequence numbers only grow: sorting by them is creation order.
+  std::sort(sequence.begin(), sequence.end(), [&](int32_t a, int32_t b) {
+    return plan_.slots[a].fn->sequence_nr() < plan_.slots[b].fn->sequence_nr();
+  });
+  for (size_t i = 0; i < sequence.size(); ++i) {
+    creation_place_[sequence[i]] = static_cast<int32_t>(i);
   }
 }
 
@@ -280,7 +291,11 @@ void BackwardCall::run_with_lanes() {
       // The ranks agree on this collective before any of them issues it: a
       // mismatch raises here on every rank, where it would hang later.
       const NodeSlot& node = plan_.slots[slot];
-      check_collective(*node.fn, sequence_place_[slot], buffer_of(node).buffer);
+      check_collective(
+          *node.fn,
+          sequence_place_[slot],
+          creation_place_[slot],
+          buffer_of(node).buffer);
     }
     try {
       if (runs_in_lane(slot)) {

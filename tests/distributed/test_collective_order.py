@@ -5,9 +5,17 @@ torch_ext's own all_reduce) in the same order or not: a graph that differs by ra
 rank only. With ``torch_ext.check_collective_order()`` on, agreeing ranks train with stock's bits and
 diverging ranks all raise the same clear error before any of them issues the collective that differs; a
 backward that agrees then runs.
+
+The swap cases are the dangerous divergence: two all_to_alls of one shape (an MoE layer's dispatch and
+combine) that the ranks start in opposite orders. Unchecked, nothing hangs and the gradients are wrong (the
+test shows it); a fingerprint of the collective's kind (name, place, group, shapes) sees nothing, so the
+check names each collective by which one forward made it. One rank's extra autograd work outside the
+collectives (logging, metrics) must not trip it.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -18,6 +26,8 @@ import torch_ext.ops
 from torch_ext.testing import SyncAllToAll
 
 pytestmark = pytest.mark.distributed
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
 def _model_loss(rank: int, extra_on_rank: int | None, priority_on_rank: int | None) -> tuple[torch.Tensor, list]:
@@ -36,18 +46,76 @@ def _model_loss(rank: int, extra_on_rank: int | None, priority_on_rank: int | No
     return loss, [x, y]
 
 
+def _testing_all_to_all():
+    return SyncAllToAll.apply, SyncAllToAll
+
+
+def _deepspeed_all_to_all():
+    """DeepSpeed's real ``_AllToAll`` (deepspeed.moe.sharded_moe) on the default group."""
+    import deepspeed.comm
+    import torch.distributed as dist
+    from deepspeed.moe.sharded_moe import _AllToAll
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    return (lambda t: _AllToAll.apply(dist.group.WORLD, t)), _AllToAll
+
+
+def _swap_loss(rank: int, all_to_all, swap: bool) -> tuple[torch.Tensor, list]:
+    """Dispatch and combine, two all_to_alls of one shape with different gradients; with ``swap``, priorities
+    (below the automatic collective priority) make rank 0 start dispatch's first and rank 1 combine's."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, requires_grad=True)
+    y = torch.randn(4, 6, requires_grad=True)
+    dispatch = all_to_all(x.tanh())
+    combine = all_to_all(y.sin())
+    loss = (dispatch * 3).sum() + (combine * combine).sum()
+    if swap:
+        first, second = (dispatch, combine) if rank == 0 else (combine, dispatch)
+        torch_ext.set_priority(first, 2)
+        torch_ext.set_priority(second, 1)
+    return loss, [x, y]
+
+
+def _backward_on_torch_ext(loss: torch.Tensor, leaves: list) -> dict:
+    try:
+        with torch_ext.enabled():
+            loss.backward()
+        return {"error": None, "grads": [leaf.grad for leaf in leaves]}
+    except RuntimeError as error:
+        return {"error": str(error)}
+
+
+def _swap_cases(rank: int, library: str, all_to_all) -> dict:
+    results = {}
+    loss, leaves = _swap_loss(rank, all_to_all, swap=False)
+    loss.backward()
+    results[f"{library}_swap_stock"] = [leaf.grad for leaf in leaves]
+    results[f"{library}_swap"] = _backward_on_torch_ext(*_swap_loss(rank, all_to_all, swap=True))
+    torch_ext.check_collective_order(False)
+    results[f"{library}_swap_unchecked"] = _backward_on_torch_ext(*_swap_loss(rank, all_to_all, swap=True))
+    torch_ext.check_collective_order()
+    results[f"{library}_swap_after"] = _backward_on_torch_ext(*_swap_loss(rank, all_to_all, swap=False))
+    return results
+
+
 def _run(rank: int) -> dict:
     torch_ext.run_in_lane(SyncAllToAll)
     torch_ext.check_collective_order()
     results = {}
     for case, (extra, priority) in {"agree": (None, None), "extra": (1, None), "priority": (None, 1)}.items():
-        loss, leaves = _model_loss(rank, extra, priority)
-        try:
-            with torch_ext.enabled():
-                loss.backward()
-            results[case] = {"error": None, "grads": [leaf.grad for leaf in leaves]}
-        except RuntimeError as error:
-            results[case] = {"error": str(error)}
+        results[case] = _backward_on_torch_ext(*_model_loss(rank, extra, priority))
+    # One rank's autograd work outside the collectives before the step, as logging or metrics do: more nodes
+    # made (sequence numbers moved on) and a backward of its own, with no collective in it.
+    if rank == 1:
+        metric = torch.ones(3, requires_grad=True)
+        (metric * 2).exp().sum().backward()
+    results["extra_ops"] = _backward_on_torch_ext(*_model_loss(rank, None, None))
+    results.update(_swap_cases(rank, "testing", SyncAllToAll.apply))
+    if HAS_DEEPSPEED:
+        all_to_all, function = _deepspeed_all_to_all()
+        torch_ext.run_in_lane(function)
+        results.update(_swap_cases(rank, "deepspeed", all_to_all))
     # Stock's bits for the agreeing case, and the engine usable after the errors.
     loss, leaves = _model_loss(rank, None, None)
     loss.backward()
@@ -66,10 +134,11 @@ def results(tmp_path_factory) -> list[dict]:
     return run_ranks(_run, tmp_path_factory.mktemp("collective_order"))
 
 
-def test_agreeing_ranks_run_with_stock_bits(results):
+@pytest.mark.parametrize("case", ["agree", "extra_ops"])
+def test_agreeing_ranks_run_with_stock_bits(results, case):
     for rank, result in enumerate(results):
-        assert result["agree"]["error"] is None, (rank, result["agree"]["error"])
-        for ours, stock in zip(result["agree"]["grads"], result["stock"], strict=True):
+        assert result[case]["error"] is None, (rank, result[case]["error"])
+        for ours, stock in zip(result[case]["grads"], result["stock"], strict=True):
             assert torch.equal(ours, stock), rank
         assert result["checks"] > 0
 
@@ -93,4 +162,42 @@ def test_diverging_ranks_all_raise_naming_the_first_difference(results, case):
 def test_the_engine_runs_again_after_a_mismatch(results):
     for rank, result in enumerate(results):
         for ours, stock in zip(result["after_errors"], result["stock"], strict=True):
+            assert torch.equal(ours, stock), rank
+
+
+SWAP_LIBRARIES = [
+    "testing",
+    pytest.param(
+        "deepspeed",
+        marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (the [test] extra has it)"),
+    ),
+]
+
+
+@pytest.mark.parametrize("library", SWAP_LIBRARIES)
+def test_a_swap_of_same_shaped_collectives_corrupts_gradients_unchecked(results, library):
+    """Why the check must see identities: unchecked, the swap neither hangs nor errs, and the data is mixed."""
+    wrong = []
+    for result in results:
+        unchecked = result[f"{library}_swap_unchecked"]
+        assert unchecked["error"] is None, unchecked["error"]
+        stock = result[f"{library}_swap_stock"]
+        wrong.append(not all(torch.equal(ours, theirs) for ours, theirs in zip(unchecked["grads"], stock, strict=True)))
+    assert any(wrong)
+
+
+@pytest.mark.parametrize("library", SWAP_LIBRARIES)
+def test_a_swap_of_same_shaped_collectives_raises_on_every_rank(results, library):
+    messages = [result[f"{library}_swap"]["error"] for result in results]
+    assert all(message is not None for message in messages), messages
+    assert messages[0] == messages[1]
+    message = messages[0]
+    assert "the ranks disagree on collective #0" in message
+    # Same kind on both ranks; forward's first on one, its second on the other.
+    assert "(forward's collective #0)" in message and "(forward's collective #1)" in message
+    assert message.count("float32[4, 6]") >= 2
+    for rank, result in enumerate(results):
+        after = result[f"{library}_swap_after"]
+        assert after["error"] is None, (rank, after["error"])
+        for ours, stock in zip(after["grads"], result[f"{library}_swap_stock"], strict=True):
             assert torch.equal(ours, stock), rank
