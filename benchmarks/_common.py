@@ -76,21 +76,6 @@ def timed_blocking(fn: Callable[[], object]) -> tuple[float, float]:
     return wall / 1e9, max(0, blocked) / 1e9
 
 
-def median_backward_s(make_loss: Callable[[], torch.Tensor], reps: int) -> float:
-    """Median seconds of ``make_loss().backward()`` over ``reps`` calls after one untimed call, the forward not
-    timed (a benchmark's calibration of one layer's backward). The untimed call: the first backward of a new
-    layer pays for allocator growth and cold caches.
-    """
-    make_loss().backward()
-    times = []
-    for _ in range(reps):
-        loss = make_loss()
-        start = time.perf_counter()
-        loss.backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def progress(message: str) -> None:
     """Prints a progress line: to stderr, flushed at once, so that stdout carries only results and
     whoever watches a run (a terminal, ``python -m torch_ext bench`` reading the log) sees where it is."""

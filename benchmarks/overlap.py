@@ -561,9 +561,7 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
 def _config(args: argparse.Namespace) -> Config:
     timeline_png = None
     if args.timeline is not None:
-        if not hasattr(torch_ext, "trace"):
-            progress("overlap: --timeline skipped: this torch_ext has no torch_ext.trace() to record its timeline")
-        elif importlib.util.find_spec("matplotlib") is None:
+        if importlib.util.find_spec("matplotlib") is None:
             progress("overlap: --timeline skipped: matplotlib is not installed (pip install 'torch_ext[bench]')")
         else:
             timeline_png = os.path.abspath(args.timeline)

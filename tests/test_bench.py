@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import torch_ext
 from torch_ext import bench
 
 REPO = Path(__file__).resolve().parent.parent
@@ -321,7 +320,6 @@ def test_stock_backward_events_mark_the_collective_and_its_wait(monkeypatch, sin
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not hasattr(torch_ext, "trace"), reason="needs torch_ext.trace() (the tracing work)")
 def test_overlap_timeline_of_stock_and_torch_ext(tmp_path):
     png = tmp_path / "timeline.png"
     result = subprocess.run(

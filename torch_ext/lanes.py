@@ -123,9 +123,4 @@ def _lane_group(ctx: Any) -> Any:
     return group
 
 
-def _forget_process_groups() -> None:
-    """Forgets the groups checked so far (tests that destroy and recreate groups in one process)."""
-    _CHECKED_GROUPS.clear()
-
-
 _C.set_lane_group_resolver(_lane_group)
