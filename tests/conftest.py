@@ -11,6 +11,14 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items):
+    # Every test that spawns ranks is slow: `python -m pytest -m "not slow"` leaves them all out.
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def seed_torch():
     torch.manual_seed(0)

@@ -32,6 +32,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_help_lists_the_options():
     result = run_cli("bench", "--help")
     assert result.returncode == 0, result.stderr
@@ -41,6 +42,7 @@ def test_help_lists_the_options():
     assert top.returncode == 0 and "bench" in top.stdout
 
 
+@pytest.mark.slow
 def test_only_rejects_an_unknown_benchmark(tmp_path):
     result = run_cli("bench", "--only", "engine_overhead,nonesuch", "--out", str(tmp_path / "out"))
     assert result.returncode == 2
@@ -48,6 +50,7 @@ def test_only_rejects_an_unknown_benchmark(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_quick_engine_overhead_writes_the_results_folder(tmp_path):
     folder = tmp_path / "results"
     result = run_cli("bench", "--quick", "--only", "engine_overhead", "--out", str(folder))
@@ -531,6 +534,7 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in state
 
 
+@pytest.mark.slow
 def test_sigterm_to_bench_stops_the_benchmark_and_its_children(tmp_path):
     # A benchmark that spawns a child (as overlap.py spawns its ranks) and runs until stopped.
     script = tmp_path / "sleeper.py"
@@ -623,6 +627,7 @@ def test_fresh_folder_adds_a_suffix_when_the_folder_exists(tmp_path):
     assert bench.fresh_folder(path) == path.with_name("bench-x-3")
 
 
+@pytest.mark.slow
 def test_only_rejects_an_empty_selection(tmp_path):
     result = run_cli("bench", "--only", " , ", "--out", str(tmp_path / "out"))
     assert result.returncode == 2

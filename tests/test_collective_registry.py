@@ -95,6 +95,7 @@ def test_a_synchronous_all_to_all_keeps_stock_order_until_declared_to_a_lane(mod
     assert torch_ext.collective_role(_AllToAll) is None
 
 
+@pytest.mark.slow
 def test_importing_torch_ext_imports_no_collective_library():
     code = "import sys, torch_ext; print(sorted(m for m in ('torchrec', 'megatron', 'deepspeed') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -66,6 +66,7 @@ def test_current_graph_task_execution_order_reports_torch_ext_priorities():
     assert [n.name() for n in seen[0]] == [n.name() for n in torch_ext.execution_order(loss, priorities={lookup: 7})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_current_node_switch(mode):
     code = (
@@ -90,6 +91,7 @@ def test_current_node_switch(mode):
     assert current == "ExpBackward0"
 
 
+@pytest.mark.slow
 def test_bad_current_node_mode_is_named():
     env = dict(os.environ, TORCH_EXT_CURRENT_NODE="sometimes")
     result = subprocess.run(

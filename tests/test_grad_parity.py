@@ -393,6 +393,7 @@ print(x.grad.tolist(), y.grad.tolist())
 """
 
 
+@pytest.mark.slow
 def test_first_backward_under_a_dispatch_mode_does_not_poison_the_engine():
     # The engine's first backward in a process allocates internal state; a TorchDispatchMode active
     # then must not see or replace it. Needs a fresh interpreter.

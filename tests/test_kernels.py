@@ -276,6 +276,7 @@ print(torch_ext.kernels.triton_enabled())
 """
 
 
+@pytest.mark.slow
 def test_import_and_ops_work_without_triton():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     result = subprocess.run(

@@ -120,6 +120,7 @@ def _overlapping_graph(lane_delay_s=0.2, dense_layers=20, fail=False):
     return moe.sum() + dense.sum(), (x, w)
 
 
+@pytest.mark.slow
 def test_lane_runs_apply_beside_the_dense_path_with_stock_bits(lane):
     loss, leaves = _overlapping_graph()
     loss.backward()
@@ -282,6 +283,7 @@ def test_ddp_reducing_on_the_lanes_group_is_refused(lane, tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_engine_waits_for_a_lane_ends_the_call(lane):
     x = torch.randn(8, 8, requires_grad=True)
     loss = exchange(x, 1.0, "slow").sum()

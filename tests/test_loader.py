@@ -109,6 +109,7 @@ def _failed_import(outcome: ImportOutcome) -> str:
     return outcome.stdout
 
 
+@pytest.mark.slow
 def test_copy_with_matching_build_info_imports(import_outcomes):
     # The control: the copy itself is importable, so the failures below come from what was changed.
     outcome = import_outcomes[_matching_build_info]
@@ -116,6 +117,7 @@ def test_copy_with_matching_build_info_imports(import_outcomes):
     assert outcome.stdout.strip() == f"imported: {outcome.package / '__init__.py'}"
 
 
+@pytest.mark.slow
 def test_other_torch_version_raises_import_error_naming_both(import_outcomes):
     report = _failed_import(import_outcomes[_other_torch_version])
     assert "0.0.0" in report
@@ -124,12 +126,14 @@ def test_other_torch_version_raises_import_error_naming_both(import_outcomes):
     assert "engine loaded: False" in report
 
 
+@pytest.mark.slow
 def test_missing_build_info_raises_import_error(import_outcomes):
     report = _failed_import(import_outcomes[_missing_build_info])
     assert "_build_info.json" in report
     assert "engine loaded: False" in report
 
 
+@pytest.mark.slow
 def test_engine_that_fails_to_load_raises_import_error_with_cause(import_outcomes):
     outcome = import_outcomes[_broken_engine]
     report = _failed_import(outcome)

@@ -189,6 +189,7 @@ def test_disabled_cache_plans_every_call():
         _C._set_plan_cache(True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_environment_switch(mode):
     code = "import torch_ext; print(torch_ext._C._plan_cache_stats(False)['enabled'])"
@@ -197,6 +198,7 @@ def test_environment_switch(mode):
     assert result.stdout.strip() == str(mode == "on")
 
 
+@pytest.mark.slow
 def test_environment_switch_rejects_other_values():
     env = dict(os.environ, TORCH_EXT_PLAN_CACHE="maybe")
     result = subprocess.run(

@@ -281,6 +281,7 @@ def _command(*args: str, cwd) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_command_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "train_step.py").write_text(textwrap.dedent(STEP_MODULE))
 
