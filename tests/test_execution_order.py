@@ -67,7 +67,7 @@ def test_current_graph_task_execution_order_reports_torch_ext_priorities():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("mode", ["on", "off", "0"])
 def test_current_node_switch(mode):
     code = (
         "import torch, torch_ext\n"
@@ -81,7 +81,7 @@ def test_current_node_switch(mode):
     env = dict(os.environ, TORCH_EXT_CURRENT_NODE=mode)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     supported, current = out.split()
-    if mode == "off":
+    if mode in ("off", "0"):
         assert (supported, current) == ("False", "torch_ext::BackwardDriver")
         return
     if supported == "False":
@@ -98,4 +98,4 @@ def test_bad_current_node_mode_is_named():
         [sys.executable, "-c", "import torch_ext"], env=env, capture_output=True, text=True, check=False
     )
     assert result.returncode != 0
-    assert "TORCH_EXT_CURRENT_NODE must be one of ('on', 'off'), got 'sometimes'" in result.stderr
+    assert "TORCH_EXT_CURRENT_NODE must be one of ('on', 'off', '1', '0'), got 'sometimes'" in result.stderr

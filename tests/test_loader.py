@@ -1,6 +1,6 @@
-"""Importing torch_ext fails loudly, naming the torch it was built for and the one it found.
+"""Importing torch_ext fails loudly, naming the torch it was built for and the one it found, or a bad switch.
 
-Each case imports a copy of the built package (with its .so) from a temporary directory, in a
+Each build case imports a copy of the built package (with its .so) from a temporary directory, in a
 fresh interpreter, after changing the copy's build info or engine.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 import torch_ext
+from torch_ext import _loader
+from torch_ext._loader import SWITCH_DEFAULTS, switch_on
 
 PACKAGE_DIR = Path(torch_ext.__file__).parent
 IMPORT_TIMEOUT_S = 120
@@ -140,3 +143,59 @@ def test_engine_that_fails_to_load_raises_import_error_with_cause(import_outcome
     assert torch.__version__ in report
     (engine,) = outcome.package.glob("_C*.so")
     assert engine.name in report  # the loader's own error is part of the message
+
+
+# The on/off environment switches: one parser, the same values and the same error for each.
+
+
+@pytest.mark.parametrize("value, on", [("on", True), ("1", True), ("off", False), ("0", False)])
+def test_every_switch_takes_the_same_values(monkeypatch, value, on):
+    for variable in SWITCH_DEFAULTS:
+        monkeypatch.setenv(variable, value)
+        assert switch_on(variable) is on
+
+
+def test_an_unset_or_empty_switch_is_its_default(monkeypatch):
+    assert SWITCH_DEFAULTS == {
+        "TORCH_EXT_CURRENT_NODE": True,
+        "TORCH_EXT_PLAN_CACHE": True,
+        "TORCH_EXT_TRITON": True,
+        "TORCH_EXT_CHECK_COLLECTIVES": False,
+    }
+    for variable, default in SWITCH_DEFAULTS.items():
+        monkeypatch.delenv(variable, raising=False)
+        assert switch_on(variable) is default
+        monkeypatch.setenv(variable, "")
+        assert switch_on(variable) is default
+
+
+@pytest.mark.parametrize("variable", SWITCH_DEFAULTS)
+def test_loading_checks_every_switch_with_the_same_error(monkeypatch, variable):
+    monkeypatch.setenv(variable, "maybe")
+    expected = f"{variable} must be one of ('on', 'off', '1', '0'), got 'maybe'"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        _loader._load_extension()
+
+
+def test_current_node_0_reaches_the_engine_as_off(monkeypatch):
+    # The engine reads TORCH_EXT_CURRENT_NODE itself and knows only "off" (csrc/engine/current_node.cpp).
+    monkeypatch.setenv("TORCH_EXT_CURRENT_NODE", "0")
+    _loader._load_extension()
+    assert os.environ["TORCH_EXT_CURRENT_NODE"] == "off"
+
+
+@pytest.mark.slow
+def test_import_refuses_a_bad_collective_check_switch():
+    # Read by torch_ext.collective_check, which once took any value but "" and "0" for on.
+    result = subprocess.run(
+        [sys.executable, "-c", "import torch_ext"],
+        env={**os.environ, "TORCH_EXT_CHECK_COLLECTIVES": "maybe"},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=IMPORT_TIMEOUT_S,
+    )
+    assert result.returncode != 0
+    assert (
+        "ValueError: TORCH_EXT_CHECK_COLLECTIVES must be one of ('on', 'off', '1', '0'), got 'maybe'" in result.stderr
+    )

@@ -205,7 +205,7 @@ def test_environment_switch_rejects_other_values():
         [sys.executable, "-c", "import torch_ext"], env=env, capture_output=True, text=True, check=False
     )
     assert result.returncode != 0
-    assert "TORCH_EXT_PLAN_CACHE must be one of ('on', 'off'), got 'maybe'" in result.stderr
+    assert "TORCH_EXT_PLAN_CACHE must be one of ('on', 'off', '1', '0'), got 'maybe'" in result.stderr
 
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

@@ -1,4 +1,8 @@
-"""Loads the compiled engine, failing loudly when it does not match the torch in use."""
+"""Loads the compiled engine, failing loudly when it does not match the torch in use, and reads the switches.
+
+Every module of torch_ext takes the engine from here, ``from torch_ext._loader import _C``, and reads an
+on/off environment switch with :func:`switch_on`.
+"""
 
 import importlib
 import json
@@ -20,26 +24,48 @@ def _built_for() -> str | None:
         return None
 
 
-# TORCH_EXT_CURRENT_NODE: "on" (the default) makes each node the current autograd node while it runs
-# where that can be done safely; "off" forces the portable path (torch_ext.current_node_supported()).
+# torch_ext's on/off environment switches, each with what unset (or empty) means. Every one is checked when
+# torch_ext is imported, so a mistyped value fails there, naming the variable, whichever module reads it.
+#
+# TORCH_EXT_CURRENT_NODE: on makes each node the current autograd node while it runs where that can be done
+# safely; off forces the portable path (torch_ext.current_node_supported()).
 CURRENT_NODE_VARIABLE = "TORCH_EXT_CURRENT_NODE"
-# TORCH_EXT_PLAN_CACHE: "on" (the default) replays a backward plan on later calls of the same graph
-# structure (csrc/engine/plan_cache.h); "off" plans every call afresh.
+# TORCH_EXT_PLAN_CACHE: on replays a backward plan on later calls of the same graph structure
+# (csrc/engine/plan_cache.h); off plans every call afresh.
 PLAN_CACHE_VARIABLE = "TORCH_EXT_PLAN_CACHE"
-SWITCH_MODES = ("on", "off")
+# TORCH_EXT_TRITON: on runs torch_ext.kernels' ops on CUDA through their Triton kernels; off, the references.
+TRITON_VARIABLE = "TORCH_EXT_TRITON"
+# TORCH_EXT_CHECK_COLLECTIVES: on switches the collective order check on (torch_ext.check_collective_order).
+CHECK_COLLECTIVES_VARIABLE = "TORCH_EXT_CHECK_COLLECTIVES"
+SWITCH_DEFAULTS = {
+    CURRENT_NODE_VARIABLE: True,
+    PLAN_CACHE_VARIABLE: True,
+    TRITON_VARIABLE: True,
+    CHECK_COLLECTIVES_VARIABLE: False,
+}
+SWITCH_VALUES = ("on", "off", "1", "0")
 
 
-def _switch(variable: str) -> bool:
-    """Whether the on/off environment switch ``variable`` is on (the default); any other value is an error."""
-    mode = os.environ.get(variable, "on")
-    if mode not in SWITCH_MODES:
-        raise ValueError(f"{variable} must be one of {SWITCH_MODES}, got {mode!r}")
-    return mode == "on"
+def switch_on(variable: str) -> bool:
+    """Whether the environment switch ``variable`` (one of :data:`SWITCH_DEFAULTS`) is on.
+
+    ``on`` or ``1`` is on, ``off`` or ``0`` off, unset or empty its default; any other value raises ValueError.
+    """
+    value = os.environ.get(variable, "")
+    if value == "":
+        return SWITCH_DEFAULTS[variable]
+    if value not in SWITCH_VALUES:
+        raise ValueError(f"{variable} must be one of {SWITCH_VALUES}, got {value!r}")
+    return value in ("on", "1")
 
 
-def load_extension():
-    _switch(CURRENT_NODE_VARIABLE)  # read by the C++ engine itself; checked here
-    plan_cache_on = _switch(PLAN_CACHE_VARIABLE)
+def _load_extension():
+    """The compiled engine, ``torch_ext._C``, once its build is checked against the torch in use."""
+    switches = {variable: switch_on(variable) for variable in SWITCH_DEFAULTS}
+    if not switches[CURRENT_NODE_VARIABLE]:
+        # The engine reads this variable itself, at the first backward (csrc/engine/current_node.cpp), and
+        # knows only "off".
+        os.environ[CURRENT_NODE_VARIABLE] = "off"
     built_for = _built_for()
     found = torch.__version__
     if built_for is None:
@@ -59,6 +85,9 @@ def load_extension():
         raise ImportError(
             f"torch_ext's C++ engine (built for torch {built_for}, found torch {found}) failed to load: {e}"
         ) from e
-    if not plan_cache_on:
+    if not switches[PLAN_CACHE_VARIABLE]:
         extension._set_plan_cache(False)
     return extension
+
+
+_C = _load_extension()

@@ -47,9 +47,7 @@ from typing import Literal
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from torch_ext._loader import load_extension
-
-_C = load_extension()
+from torch_ext._loader import _C
 
 _NONE, _LAUNCH, _WAIT, _LANE = 0, 1, 2, 3
 _ROLE_NAMES = {_NONE: None, _LAUNCH: "launch", _WAIT: "wait", _LANE: "lane"}

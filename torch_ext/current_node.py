@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_ext._loader import load_extension
-
-_C = load_extension()
+from torch_ext._loader import _C
 
 
 def current_node_supported() -> bool:

@@ -27,10 +27,8 @@ import torch
 from torch.autograd import graph as autograd_graph
 from torch.autograd.variable import Variable
 
-from torch_ext._loader import load_extension
+from torch_ext._loader import _C
 from torch_ext.priority import priority_overrides
-
-_C = load_extension()
 
 # torch.autograd's stock C++ engine. Final callbacks and checkpoint validity are properties of the
 # current graph task, which torch_ext's host task makes the stock engine's own, so those calls go to it

@@ -26,18 +26,18 @@ import importlib
 import importlib.util
 import itertools
 import logging
-import os
 from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 from torch.library import triton_op, wrap_triton
 
+from torch_ext._loader import TRITON_VARIABLE, switch_on
 from triton_kernels.multi_tensor_ref import SUPPORTED_DTYPES, accumulate_ref_, pack_ref, sum_n_ref, unpack_ref_
 
 __all__ = ["multi_tensor_accumulate_", "pack", "sum_n", "triton_enabled", "unpack_", "use_triton"]
 
-_use_triton = os.environ.get("TORCH_EXT_TRITON", "1") != "0"
+_use_triton = switch_on(TRITON_VARIABLE)
 
 # Device types whose tensors the Triton kernels take. Tests add "cpu" to run the CUDA path of the ops
 # through Triton's interpreter.
@@ -46,7 +46,7 @@ _TRITON_DEVICE_TYPES = ("cuda",)
 
 def use_triton(enabled: bool) -> bool:
     """Turns the Triton kernels on or off for CUDA tensors (off: the torch references run), process-wide.
-    Returns the previous setting. The default is on unless ``TORCH_EXT_TRITON=0`` is in the environment."""
+    Returns the previous setting. The default is on unless ``TORCH_EXT_TRITON=off`` (or ``0``) is in the environment."""
     global _use_triton
     previous, _use_triton = _use_triton, bool(enabled)
     return previous

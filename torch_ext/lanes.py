@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_ext.collectives import _C, _LANE, FunctionClasses, _node_classes
+from torch_ext._loader import _C
+from torch_ext.collectives import _LANE, FunctionClasses, _node_classes
 
 # Backward node class -> how to find its process group from the node's ctx.
 _GROUP_OF: dict[type, Callable[[Any], Any]] = {}

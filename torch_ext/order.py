@@ -5,10 +5,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from torch_ext._loader import load_extension
+from torch_ext._loader import _C
 from torch_ext.priority import priority_overrides
-
-_C = load_extension()
 
 _STOCK_CURRENT_GRAPH_TASK_EXECUTION_ORDER = torch._C._current_graph_task_execution_order
 

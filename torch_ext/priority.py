@@ -17,9 +17,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from torch_ext._loader import load_extension
-
-_C = load_extension()
+from torch_ext._loader import _C
 
 
 class _PythonNodeProbe(torch.autograd.Function):

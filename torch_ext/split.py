@@ -25,7 +25,8 @@ import torch
 from torch.autograd.graph import GradientEdge
 from torch.overrides import is_tensor_like
 
-from torch_ext.engine import _C, _compiled_autograd_enabled
+from torch_ext._loader import _C
+from torch_ext.engine import _compiled_autograd_enabled
 
 SplitState = _C.SplitState
 

@@ -54,9 +54,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from torch_ext._loader import load_extension
-
-_C = load_extension()
+from torch_ext._loader import _C
 
 _KINDS = ("backward", "node", "collective_wait")
 _PRIORITY_FROM = (None, "set_priority", "priorities", "collective", "propagated")

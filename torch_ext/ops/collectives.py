@@ -29,9 +29,7 @@ import torch.distributed as dist
 import torch.distributed.nn
 from torch import Tensor
 
-from torch_ext._loader import load_extension
-
-_C = load_extension()
+from torch_ext._loader import _C
 
 # Reductions whose gradient is the same reduction of the gradients (sum) or its mean (avg).
 _DIFFERENTIABLE_REDUCE_OPS = ("sum", "avg")
