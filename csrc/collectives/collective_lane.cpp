@@ -13,11 +13,17 @@ void CollectiveLanes::dispatch(
     int32_t slot,
     c10::intrusive_ptr<torch::autograd::Node> fn,
     torch::autograd::variable_list&& inputs,
-    at::ThreadLocalState state) {
+    at::ThreadLocalState state,
+    std::function<void()> before_apply) {
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     shared_->queues[group].push_back(
-        Work{slot, std::move(fn), std::move(inputs), std::move(state)});
+        Work{
+            slot,
+            std::move(fn),
+            std::move(inputs),
+            std::move(state),
+            std::move(before_apply)});
   }
   ++in_flight_;
   if (lanes_.find(group) == lanes_.end()) {
@@ -46,6 +52,9 @@ void CollectiveLanes::lane_main(
     lock.unlock();
     Finished finished{work.slot, {}, nullptr};
     try {
+      if (work.before_apply) {
+        work.before_apply();
+      }
       at::ThreadLocalStateGuard state(work.state);
       finished.outputs = (*work.fn)(std::move(work.inputs));
     } catch (...) {

@@ -58,12 +58,16 @@ class CollectiveLanes {
   // Runs `fn`'s apply() on `inputs` on the lane of `group` (started on first
   // use), after the nodes handed to that lane before it, under the engine
   // thread's thread-local state `state` (grad mode, dispatch keys, profiler).
+  // `before_apply`, when given, runs on the lane first; what it throws is the
+  // node's error (the collective order check's mismatch: awaited where the
+  // lane would block in the collective anyway, not on the engine thread).
   void dispatch(
       uintptr_t group,
       int32_t slot,
       c10::intrusive_ptr<torch::autograd::Node> fn,
       torch::autograd::variable_list&& inputs,
-      at::ThreadLocalState state);
+      at::ThreadLocalState state,
+      std::function<void()> before_apply = nullptr);
 
   // Whether any node handed over has not been taken back by take_finished.
   bool busy() const {
@@ -90,6 +94,7 @@ class CollectiveLanes {
     c10::intrusive_ptr<torch::autograd::Node> fn;
     torch::autograd::variable_list inputs;
     at::ThreadLocalState state;
+    std::function<void()> before_apply;
   };
   // What the engine thread and the lanes share. Held by shared_ptr, so a lane
   // detached after an interrupt outlives the call safely.

@@ -393,8 +393,10 @@ PyObject* py_set_lane_group_resolver(PyObject* /*module*/, PyObject* resolver) {
 PyObject* py_set_collective_checker(PyObject* /*module*/, PyObject* checker) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(
-      checker == Py_None || PyCallable_Check(checker),
-      "the collective checker must be callable or None");
+      checker == Py_None ||
+          (PyObject_HasAttrString(checker, "begin") != 0 &&
+           PyObject_HasAttrString(checker, "wait") != 0),
+      "the collective checker must have begin and wait methods, or be None");
   if (checker == Py_None) {
     collective_check_on.store(false);
     Py_CLEAR(collective_checker);
@@ -432,11 +434,12 @@ PyMethodDef collective_methods[] = {
     {"set_collective_checker",
      py_set_collective_checker,
      METH_O,
-     "set_collective_checker(fn or None): fn(node, position, identity, "
-     "inputs) before each collective a call issues, identity its index among "
-     "the call's collectives in creation order (node None, identity -1 and "
-     "inputs None at its end, position the count); None switches the check "
-     "off."},
+     "set_collective_checker(checker or None): checker.begin(collectives) "
+     "when a call's plan is made, collectives its sequence as (node, "
+     "identity, expected gradients), identity the node's index among them in "
+     "creation order; checker.wait(what begin returned) before the first "
+     "starts and at the call's end, raising on a mismatch; None switches the "
+     "check off."},
     {"set_lane_group_resolver",
      py_set_lane_group_resolver,
      METH_O,
@@ -501,60 +504,122 @@ bool collective_check_enabled() {
 }
 
 namespace {
-void call_collective_checker(
-    PyObject* node,
-    int32_t position,
-    int32_t identity,
-    PyObject* inputs) {
-  if (collective_checker == nullptr) {
-    return; // switched off since the call started
-  }
-  THPObjectPtr checked(PyObject_CallFunction(
-      collective_checker,
-      "OiiO",
-      node,
-      static_cast<int>(position),
-      static_cast<int>(identity),
-      inputs));
-  if (!checked) {
-    throw python_error();
-  }
-}
-} // namespace
-
-void check_collective(
-    const torch::autograd::Node& fn,
-    int32_t position,
-    int32_t identity,
-    const torch::autograd::variable_list& inputs) {
-  pybind11::gil_scoped_acquire gil;
-  // Collective nodes are Python Functions' (collective_role); another node
-  // would be named by its name() alone.
+// The node as the checker names it: a Python Function's ctx (whose
+// ctx.group it reads), another node by its name(). With the GIL.
+PyObject* checked_node(const torch::autograd::Node& fn) {
   PyObject* ctx =
       &typeid(fn) == python_node_type.load(std::memory_order_relaxed)
       ? static_cast<const torch::autograd::PyNode&>(fn).pyobj()
       : nullptr;
-  THPObjectPtr node(
-      ctx != nullptr ? Py_NewRef(ctx)
-                     : PyUnicode_FromString(fn.name().c_str()));
-  THPObjectPtr gradients(PyList_New(static_cast<Py_ssize_t>(inputs.size())));
-  if (!node || !gradients) {
-    throw python_error();
+  return ctx != nullptr ? Py_NewRef(ctx)
+                        : PyUnicode_FromString(fn.name().c_str());
+}
+
+// The gradients `fn` will be given, as their metadata says (validate_outputs
+// makes every producer's match it): (shape, dtype) each, None for a nested
+// tensor's. With the GIL.
+PyObject* expected_gradients(const torch::autograd::Node& fn) {
+  THPObjectPtr gradients(PyList_New(static_cast<Py_ssize_t>(fn.num_inputs())));
+  if (!gradients) {
+    return nullptr;
   }
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    PyObject* gradient =
-        inputs[i].defined() ? THPVariable_Wrap(inputs[i]) : Py_NewRef(Py_None);
+  for (uint32_t i = 0; i < fn.num_inputs(); ++i) {
+    const torch::autograd::InputMetadata& metadata = fn.input_metadata(i);
+    PyObject* gradient = nullptr;
+    if (metadata.was_default_constructed() || metadata.is_nested_tensor()) {
+      gradient = Py_NewRef(Py_None);
+    } else {
+      const c10::SymIntArrayRef sizes = metadata.shape_as_dim_vector();
+      THPObjectPtr shape(PyTuple_New(static_cast<Py_ssize_t>(sizes.size())));
+      if (!shape) {
+        return nullptr;
+      }
+      for (size_t d = 0; d < sizes.size(); ++d) {
+        const std::optional<int64_t> size = sizes[d].maybe_as_int();
+        PyObject* item = PyLong_FromLongLong(size.value_or(-1));
+        if (item == nullptr) {
+          return nullptr;
+        }
+        PyTuple_SET_ITEM(shape.get(), static_cast<Py_ssize_t>(d), item);
+      }
+      PyObject* dtype = reinterpret_cast<PyObject*>(
+          torch::getTHPDtype(metadata.dtype().toScalarType()));
+      gradient = PyTuple_Pack(2, shape.get(), dtype);
+    }
     if (gradient == nullptr) {
-      throw python_error();
+      return nullptr;
     }
     PyList_SET_ITEM(gradients.get(), static_cast<Py_ssize_t>(i), gradient);
   }
-  call_collective_checker(node.get(), position, identity, gradients.get());
+  return gradients.release();
+}
+} // namespace
+
+CollectiveOrderCheck::CollectiveOrderCheck(
+    const std::vector<CheckedCollective>& sequence) {
+  pybind11::gil_scoped_acquire gil;
+  if (collective_checker == nullptr) {
+    done_ = true; // switched off since the call started
+    return;
+  }
+  THPObjectPtr collectives(
+      PyList_New(static_cast<Py_ssize_t>(sequence.size())));
+  if (!collectives) {
+    throw python_error();
+  }
+  for (size_t i = 0; i < sequence.size(); ++i) {
+    THPObjectPtr node(checked_node(*sequence[i].fn));
+    THPObjectPtr gradients(
+        node ? expected_gradients(*sequence[i].fn) : nullptr);
+    PyObject* entry = gradients ? Py_BuildValue(
+                                      "(OiO)",
+                                      node.get(),
+                                      sequence[i].identity,
+                                      gradients.get())
+                                : nullptr;
+    if (entry == nullptr) {
+      throw python_error();
+    }
+    PyList_SET_ITEM(collectives.get(), static_cast<Py_ssize_t>(i), entry);
+  }
+  PyObject* pending =
+      PyObject_CallMethod(collective_checker, "begin", "O", collectives.get());
+  if (pending == nullptr) {
+    throw python_error();
+  }
+  checker_ = Py_NewRef(collective_checker);
+  pending_ = pending;
 }
 
-void check_end_of_collectives(int32_t count) {
+CollectiveOrderCheck::~CollectiveOrderCheck() {
+  if (pending_ == nullptr || !Py_IsInitialized()) {
+    return;
+  }
   pybind11::gil_scoped_acquire gil;
-  call_collective_checker(Py_None, count, -1, Py_None);
+  Py_DECREF(pending_);
+  Py_DECREF(checker_);
+}
+
+void CollectiveOrderCheck::await() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!done_) {
+    done_ = true;
+    try {
+      pybind11::gil_scoped_acquire gil;
+      THPObjectPtr result(PyObject_CallMethod(checker_, "wait", "O", pending_));
+      if (!result) {
+        // Fetched now: the mismatch may be rethrown on another thread.
+        python_error mismatch;
+        mismatch.persist();
+        throw mismatch;
+      }
+    } catch (...) {
+      mismatch_ = std::current_exception();
+    }
+  }
+  if (mismatch_) {
+    std::rethrow_exception(mismatch_);
+  }
 }
 
 void raise_if_interrupted() {

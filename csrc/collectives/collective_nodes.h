@@ -23,6 +23,8 @@
 
 #include <cstdint>
 #include <exception>
+#include <mutex>
+#include <vector>
 
 // CPython's own spelling, so this header does not pull in Python.h.
 typedef struct _object PyObject;
@@ -84,20 +86,46 @@ std::exception_ptr name_lane_node_in_error(
     const torch::autograd::Node& fn);
 
 // The collective order check (torch_ext.check_collective_order): whether it
-// is on, and its two questions, each asked with the GIL. `check_collective`
-// before the node `fn` that issues a collective starts, as the call's
-// `position`-th one and the `identity`-th the graph's forward made (its
-// index among the call's collective nodes in creation order), with `inputs`
-// the gradients it was given;
-// `check_end_of_collectives` when a call issued `count` and no more. Both
-// compare with the other ranks and raise (python_error) on a mismatch.
+// is on, and one call's check. The call's plan fixes, before any node runs,
+// every collective it will start and their order (the collective sequence),
+// so the ranks compare all of it in one exchange, made off the engine thread
+// as soon as the plan is made. Whichever thread starts the call's first
+// collective (the engine thread, or a lane that would block in the
+// collective anyway) awaits the exchange's result first, and the call awaits
+// it before it returns: a divergence raises on every rank before any of them
+// issues a collective of the call, at the cost of one exchange per call.
 bool collective_check_enabled();
-void check_collective(
-    const torch::autograd::Node& fn,
-    int32_t position,
-    int32_t identity,
-    const torch::autograd::variable_list& inputs);
-void check_end_of_collectives(int32_t count);
+
+// A collective of the sequence as the check names it: the node, and which of
+// the call's collective nodes forward made it (its index among them in
+// creation order: the ranks agree on it whatever order they start them in).
+struct CheckedCollective {
+  const torch::autograd::Node* fn;
+  int32_t identity;
+};
+
+class CollectiveOrderCheck {
+ public:
+  // Starts the exchange of `sequence`'s fingerprints, in the order the call
+  // starts them. With the GIL taken here; raises (python_error) if the
+  // exchange cannot start.
+  explicit CollectiveOrderCheck(const std::vector<CheckedCollective>& sequence);
+  CollectiveOrderCheck(const CollectiveOrderCheck&) = delete;
+  CollectiveOrderCheck& operator=(const CollectiveOrderCheck&) = delete;
+  ~CollectiveOrderCheck();
+  // Blocks until the exchange is done and raises its mismatch (python_error,
+  // the same on every rank). Safe from any thread, called without the GIL;
+  // only the first call waits, later ones rethrow its result.
+  void await();
+
+ private:
+  std::mutex mutex_;
+  bool done_ = false;
+  std::exception_ptr mismatch_;
+  // The checker and its pending exchange, released with the GIL.
+  PyObject* checker_ = nullptr;
+  PyObject* pending_ = nullptr;
+};
 
 // Switch for the automatic priority (on by default).
 void set_auto_collective_priority(bool enabled);

@@ -345,6 +345,10 @@ class BackwardCall {
   // on it whatever order they start the collectives in, and autograd work
   // outside the collectives (one rank's logging) does not shift it.
   std::vector<int32_t> creation_place_;
+  // The collective order check of this call, when it is on: begun with the
+  // sequence, awaited before the first collective starts (shared with the
+  // lanes, which may start it) and before the call returns.
+  std::shared_ptr<CollectiveOrderCheck> order_check_;
   int32_t next_in_sequence_ = 0;
   // Nodes of the sequence that became ready before their turn.
   std::vector<int32_t> parked_;

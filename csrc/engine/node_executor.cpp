@@ -710,12 +710,17 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
   if (lane_node.had_post_hooks) {
     lane_node.inputs = grads;
   }
+  std::function<void()> before_apply;
+  if (order_check_ != nullptr) {
+    before_apply = [check = order_check_] { check->await(); };
+  }
   lanes_->dispatch(
       group,
       index,
       fn.getptr(),
       std::move(grads),
-      at::ThreadLocalState());
+      at::ThreadLocalState(),
+      std::move(before_apply));
 }
 
 void BackwardCall::finish_lane_node(

@@ -234,6 +234,16 @@ void BackwardCall::build_collective_sequence() {
   for (size_t i = 0; i < sequence.size(); ++i) {
     creation_place_[sequence[i]] = static_cast<int32_t>(i);
   }
+  if (collective_check_enabled()) {
+    std::vector<CheckedCollective> checked;
+    checked.reserve(sequence.size());
+    for (const int32_t s : planned_run_slots(plan_)) {
+      if (sequence_place_[s] != kNoSlot) {
+        checked.push_back({plan_.slots[s].fn, creation_place_[s]});
+      }
+    }
+    order_check_ = std::make_shared<CollectiveOrderCheck>(checked);
+  }
 }
 
 bool BackwardCall::may_start(int32_t slot) const {
@@ -287,15 +297,13 @@ void BackwardCall::run_with_lanes() {
       parked_.push_back(slot);
       continue;
     }
-    if (sequence_place_[slot] != kNoSlot && collective_check_enabled()) {
-      // The ranks agree on this collective before any of them issues it: a
-      // mismatch raises here on every rank, where it would hang later.
-      const NodeSlot& node = plan_.slots[slot];
-      check_collective(
-          *node.fn,
-          sequence_place_[slot],
-          creation_place_[slot],
-          buffer_of(node).buffer);
+    if (sequence_place_[slot] != kNoSlot && order_check_ != nullptr &&
+        !runs_in_lane(slot)) {
+      // The ranks agree on the call's collectives before any of them issues
+      // one: a mismatch raises here on every rank, where it would hang or mix
+      // up data later. Waits only before the first; a lane node awaits it on
+      // its lane (dispatch_to_lane).
+      order_check_->await();
     }
     try {
       if (runs_in_lane(slot)) {
@@ -314,8 +322,10 @@ void BackwardCall::run_with_lanes() {
       unpark();
     }
   }
-  if (collective_check_enabled()) {
-    check_end_of_collectives(next_in_sequence_);
+  if (order_check_ != nullptr) {
+    // A call that started no collective, or whose lanes raised first, still
+    // hears about a divergence before it returns.
+    order_check_->await();
   }
   // Every node of the sequence ran: nothing the plan runs is left parked.
   TORCH_INTERNAL_ASSERT(
