@@ -1,6 +1,6 @@
 """torch_ext's multi-tensor gradient ops on CUDA: Triton kernels against torch's foreach/cat and per-tensor loops.
 
-Ops and what each is measured against (the torch_ext op with ``use_triton(False)`` runs the plain-torch
+Ops and what each is measured against (the torch_ext op with ``set_triton_enabled(False)`` runs the plain-torch
 reference of triton_kernels/multi_tensor_ref.py, i.e. torch's foreach ops and copies):
 
   accumulate  ``dst[i] += src[i]`` over a list: torch_ext (Triton: one launch per dtype pair, two if
@@ -97,11 +97,8 @@ def _with_triton(enabled: bool, fn: Callable[[], object]) -> Callable[[], object
     from torch_ext import kernels
 
     def call():
-        previous = kernels.use_triton(enabled)
-        try:
+        with kernels.set_triton_enabled(enabled):
             return fn()
-        finally:
-            kernels.use_triton(previous)
 
     return call
 

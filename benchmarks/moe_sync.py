@@ -145,7 +145,7 @@ def variant_engine(variant: str, function: type):
         yield
         return
     if variant == "torch_ext":
-        with torch_ext.enabled():
+        with torch_ext.enable():
             yield
         return
     if variant == "priority":
@@ -157,7 +157,7 @@ def variant_engine(variant: str, function: type):
         # Its exchange group is made at the first check, in _check_bits, before anything is timed.
         torch_ext.check_collective_order(group=_check_group())
     try:
-        with torch_ext.enabled():
+        with torch_ext.enable():
             yield
     finally:
         torch_ext.unregister_collective_backward(function)

@@ -10,12 +10,12 @@ embeddings' gradient all_to_all and ``All2All_Pooled_ReqBackward`` waits for it.
 back after the dense arch, so the communication is exposed. torch_ext knows these classes
 (``torch_ext.collectives``): it drives to the launch first and runs the wait as late as the nodes reading
 its result allow, so the dense arch's backward runs while the bytes move. Nothing TorchRec-specific is
-written by the user: ``torch_ext.enable()`` (here ``torch_ext.enabled()`` around the variant's steps).
+written by the user: ``torch_ext.enable()`` (here ``with torch_ext.enable():`` around the variant's steps).
 
 Variants, alternating within every repetition, the slowest rank's time counting:
 
   stock      the training step on PyTorch's engine
-  torch_ext  the same step under ``torch_ext.enabled()``
+  torch_ext  the same step under ``torch_ext.enable()``
   comm       the backward all_to_all alone: ``dist.all_to_all_single`` of the same pooled gradient
              bytes, between the steps (reported; T_comm is stock's wait with no dense layer, below)
 
@@ -188,7 +188,7 @@ class WaitTimer:
 
 
 def _engine(variant: str):
-    return torch_ext.enabled() if variant == "torch_ext" else contextlib.nullcontext()
+    return torch_ext.enable() if variant == "torch_ext" else contextlib.nullcontext()
 
 
 def _step(model, dense_params, batch, variant: str, wait_timer: WaitTimer) -> tuple[float, float, float | None]:
@@ -245,7 +245,7 @@ def _traced_backward(model, dense_params, batch) -> list[dict]:
     dense, sparse, labels = batch
     loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, sparse).squeeze(-1), labels)
     dist.barrier()
-    with torch_ext.enabled(), torch_ext.trace() as trace:
+    with torch_ext.enable(), torch_ext.trace() as trace:
         loss.backward()
     for p in dense_params:
         p.grad = None

@@ -234,7 +234,7 @@ def test_collective_programs_keep_stock_bits(one_rank_group, branches, launch_fi
     options = {"entry": entry, "launch_first_branch": launch_first_branch}
     stock, stock_order = _collective_program(dtype, branches, _torch_ext_all_to_all, **options)
     functional, _ = _collective_program(dtype, branches, _functional_all_to_all, **options)
-    with torch_ext.enabled():
+    with torch_ext.enable():
         ours, our_order = _collective_program(dtype, branches, _torch_ext_all_to_all, **options)
     # The premise: torch_ext ran the producers into h's buffer in another order (the collectives first).
     assert our_order != stock_order

@@ -542,7 +542,7 @@ def test_checkpointed_segment_on_side_stream(use_reentrant):
         with torch.cuda.stream(side):
             out = checkpoint(segment, x, w, log, use_reentrant=use_reentrant)
         caller.wait_stream(side)
-        enabled = torch_ext.enabled() if engine is TORCH_EXT else contextlib.nullcontext()
+        enabled = torch_ext.enable() if engine is TORCH_EXT else contextlib.nullcontext()
         with torch.cuda.stream(caller), enabled:
             engine.backward(out, full(scale, out))
             on_caller = [x.grad.clone(), w.grad.clone()]

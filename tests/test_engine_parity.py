@@ -36,7 +36,7 @@ def leaf(*shape):
 
 def backward_under_enabled(roots, grad_tensors=None, retain_graph=None):
     """Plain ``torch.autograd.backward`` with torch_ext installed as torch.autograd's engine."""
-    with torch_ext.enabled():
+    with torch_ext.enable():
         assert torch_ext.is_enabled()
         torch.autograd.backward(roots, grad_tensors=grad_tensors, retain_graph=retain_graph)
 
@@ -455,7 +455,7 @@ def prehook_registers_posthook():
 
 
 def nested_backward_in_hook():
-    # Under enabled() the inner torch.autograd.backward runs on torch_ext too (a nested host task); from
+    # Under enable() the inner torch.autograd.backward runs on torch_ext too (a nested host task); from
     # torch_ext.backward it is a stock backward reentrant in torch_ext's host task.
     x, inner_leaf = leaf(3), leaf(3)
     inner = (inner_leaf * 3).exp()
@@ -719,7 +719,7 @@ def test_warnings_during_backward_match_stock():
 
 
 def test_concurrent_backward_on_threads_matches_stock():
-    # Not under enabled(): it swaps torch.autograd's engine for every thread, stock comparisons included.
+    # Not under enable(): it swaps torch.autograd's engine for every thread, stock comparisons included.
     cases = ["mlp_shared_weights", "several_roots", "copy_slices", "custom_functions"]
     entries = ["torch_ext.backward", "torch.ops.torch_ext.backward"]
     failures, done = [], []
@@ -750,7 +750,7 @@ def test_grad_create_graph_and_inputs_run_on_torch_ext_under_enabled():
         return [t.grad for t in leaves]
 
     stock_nodes = _profiled_backward_nodes(grad_then_backward_inputs)
-    with torch_ext.enabled():
+    with torch_ext.enable():
         ext_nodes = _profiled_backward_nodes(grad_then_backward_inputs)
     assert (DRIVER, None) not in stock_nodes
     assert [n for n in ext_nodes if n != (DRIVER, None)] == stock_nodes
@@ -1064,7 +1064,7 @@ def _profiled_backward_nodes(run_backward):
 
 def test_enabled_runs_loss_backward_on_torch_ext():
     def backward_enabled(loss):
-        with torch_ext.enabled():
+        with torch_ext.enable():
             assert torch_ext.is_enabled()
             loss.backward()
 
@@ -1098,8 +1098,8 @@ def test_enable_nests_and_disable_returns_to_stock():
     assert not torch_ext.is_enabled() and not _ran_on_torch_ext(loss_backward)
     # torch.autograd's engine stays torch_ext's router, which sends other calls to the engine it replaced.
     assert type(Variable._execution_engine.replaced) is type(STOCK_ENGINE)
-    with pytest.raises(ValueError, match="inside"), torch_ext.enabled():
-        raise ValueError("raised inside enabled()")
+    with pytest.raises(ValueError, match="inside"), torch_ext.enable():
+        raise ValueError("raised inside enable()")
     assert not torch_ext.is_enabled()
     with pytest.raises(RuntimeError, match="without a matching"):
         torch_ext.disable()

@@ -76,7 +76,7 @@ def test_current_node_switch(mode):
         "seen = []\n"
         "y.grad_fn.register_prehook(lambda g: seen.append(torch._C._current_autograd_node().name()))\n"
         "torch_ext.backward(y.sum())\n"
-        "print(torch_ext.current_node_supported(), seen[0])\n"
+        "print(torch_ext.is_current_node_supported(), seen[0])\n"
     )
     env = dict(os.environ, TORCH_EXT_CURRENT_NODE=mode)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

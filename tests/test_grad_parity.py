@@ -173,7 +173,7 @@ def test_third_order_gradient():
 )
 def test_autograd_functional_under_enabled(functional):
     stock = functional()
-    with torch_ext.enabled():
+    with torch_ext.enable():
         ext = functional()
     assert_same(stock, ext)
 
@@ -348,9 +348,9 @@ def _func_transforms():
 
 def test_torch_func_transforms_under_enabled():
     # torch.func's reverse-mode transforms call torch.autograd.grad inside functorch levels, so under
-    # enabled() they run on torch_ext's engine.
+    # enable() they run on torch_ext's engine.
     stock = _func_transforms()
-    with torch_ext.enabled():
+    with torch_ext.enable():
         ext = _func_transforms()
     assert_same(stock, ext)
 
@@ -364,7 +364,7 @@ def test_compiled_autograd_falls_back_to_stock_engine():
         loss = linear(torch.randn(2, 4)).tanh().sum()
         with compiled_autograd._enable(torch.compile(backend="eager")):
             if use_torch_ext:
-                with torch_ext.enabled():
+                with torch_ext.enable():
                     loss.backward()
             else:
                 loss.backward()

@@ -257,13 +257,13 @@ def test_compile_fullgraph():
 # The switch, and importing without triton.
 
 
-def test_use_triton_returns_the_previous_setting():
-    previous = kernels.use_triton(False)
-    try:
-        assert kernels.use_triton(True) is False
-        assert kernels.triton_enabled() == (kernels._multi_tensor_kernels() is not None)
-    finally:
-        kernels.use_triton(previous)
+def test_set_triton_enabled_in_a_with_block_restores_the_setting():
+    installed = kernels._multi_tensor_kernels() is not None
+    with kernels.set_triton_enabled(True):
+        assert kernels.is_triton_enabled() == installed
+        with kernels.set_triton_enabled(False):
+            assert not kernels.is_triton_enabled()
+        assert kernels.is_triton_enabled() == installed
 
 
 IMPORT_WITHOUT_TRITON = """
@@ -272,7 +272,7 @@ sys.modules["triton"] = None  # as if triton were not installed
 import torch, torch_ext
 flat = torch_ext.kernels.pack([torch.ones(2), torch.ones(3)], 2.0)
 assert flat.tolist() == [2.0] * 5, flat
-print(torch_ext.kernels.triton_enabled())
+print(torch_ext.kernels.is_triton_enabled())
 """
 
 
@@ -292,13 +292,10 @@ def test_import_and_ops_work_without_triton():
 
 def _on_both_paths(fn):
     """fn() with the Triton kernels, then with the references (args are made afresh inside fn)."""
-    previous = kernels.use_triton(True)
-    try:
+    with kernels.set_triton_enabled(True):
         with_triton = fn()
-        kernels.use_triton(False)
+    with kernels.set_triton_enabled(False):
         return with_triton, fn()
-    finally:
-        kernels.use_triton(previous)
 
 
 @cuda

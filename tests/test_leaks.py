@@ -44,7 +44,7 @@ HEAP_SLACK_BYTES = 4 * 2**20
 
 
 def _backward_under_enable(tensors, retain_graph=None):
-    with torch_ext.enabled():
+    with torch_ext.enable():
         torch.autograd.backward(tensors, retain_graph=retain_graph)
 
 

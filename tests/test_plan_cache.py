@@ -227,7 +227,7 @@ def test_hugging_face_training_loop_replays_with_stock_bits():
         for model, optimizer, on_torch_ext in ((stock, optimizers[0], False), (ours, optimizers[1], True)):
             optimizer.zero_grad()
             loss = model(ids, labels=ids).loss
-            with torch_ext.enabled() if on_torch_ext else contextlib.nullcontext():
+            with torch_ext.enable() if on_torch_ext else contextlib.nullcontext():
                 loss.backward()
             optimizer.step()
         for a, b in zip(stock.parameters(), ours.parameters(), strict=True):

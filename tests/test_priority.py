@@ -287,19 +287,19 @@ def test_collectives_get_a_propagated_priority_unless_switched_off():
 
     stock_order, stock_grads = run(False)
     assert stock_order == ["dense_top", "collective"]
-    assert torch_ext.auto_collective_priority()
+    assert torch_ext.is_auto_collective_priority_enabled()
     ext_order, ext_grads = run(True)
     assert ext_order == ["collective", "dense_top"]
     assert_grads_equal(stock_grads, ext_grads)
-    torch_ext.set_auto_collective_priority(False)
+    torch_ext.set_auto_collective_priority_enabled(False)
     try:
         off_order, off_grads = run(True)
     finally:
-        torch_ext.set_auto_collective_priority(True)
+        torch_ext.set_auto_collective_priority_enabled(True)
     assert off_order == stock_order
     assert_grads_equal(stock_grads, off_grads)
     with pytest.raises(TypeError, match="expected a bool"):
-        torch_ext.set_auto_collective_priority(1)
+        torch_ext.set_auto_collective_priority_enabled(1)
 
 
 def test_engine_run_backward_accepts_priorities():

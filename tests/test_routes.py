@@ -146,7 +146,7 @@ def test_priorities_do_not_reach_a_backward_nested_in_a_node(under_enabled):
     out = CallsGradInside.apply(doubled, [inner_exp.sum(), inner_leaf]).sum()
     with torch_ext.trace() as traced:
         if under_enabled:
-            with torch_ext.enabled():
+            with torch_ext.enable():
                 torch_ext.grad(out, x, priorities={doubled: 5, inner_exp: 7})
         else:
             torch_ext.grad(out, x, priorities={doubled: 5, inner_exp: 7})

@@ -281,7 +281,7 @@ def test_split_matches_full_stock_backward(case: Case) -> None:
 @pytest.fixture
 def batched_accumulation_everywhere():
     """Weight-pass accumulation batched on CPU too (the default batches on accelerators only)."""
-    before = torch_ext.weight_accumulation_batching()
+    before = torch_ext.get_weight_accumulation_batching()
     torch_ext.set_weight_accumulation_batching("always")
     yield
     torch_ext.set_weight_accumulation_batching(before)
@@ -331,7 +331,7 @@ def test_batched_accumulation_is_one_call_and_leaves_observed_weights_to_their_n
     torch_ext.set_weight_accumulation_batching("off")
     with pytest.raises(ValueError, match="mode must be 'off', 'accelerator' or 'always'"):
         torch_ext.set_weight_accumulation_batching("sometimes")
-    assert torch_ext.weight_accumulation_batching() == "off"
+    assert torch_ext.get_weight_accumulation_batching() == "off"
 
 
 class MatmulShapes(TorchDispatchMode):
@@ -675,7 +675,7 @@ def test_batched_accumulation_is_done_before_anything_observes_it(hooked_runs_fi
         if how == "stock":
             torch.autograd.backward(out, grad)
         else:
-            before = torch_ext.weight_accumulation_batching()
+            before = torch_ext.get_weight_accumulation_batching()
             torch_ext.set_weight_accumulation_batching(how)
             try:
                 _, state = torch_ext.backward_input(out, grad, [x], [hooked, plain])

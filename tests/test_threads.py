@@ -162,7 +162,7 @@ def test_independent_graphs_in_threads_match_stock(entry_point):
             for iteration, seed in enumerate(seeds[thread])
         ]
 
-    with torch_ext.enabled() if backward is _backward_under_enable else contextlib.nullcontext():
+    with torch_ext.enable() if backward is _backward_under_enable else contextlib.nullcontext():
         grads = _results(_run_in_threads(work))
     for thread in range(THREADS):
         for iteration in range(ITERATIONS):
@@ -302,7 +302,7 @@ def test_reentrant_checkpoint_from_threads_under_enable():
     # Reentrant checkpoint calls torch.autograd.backward from its node: under enable() that is a
     # nested torch_ext call, made from several threads at once.
     expected = [_checkpointed_grads(seed) for seed in range(THREADS)]
-    with torch_ext.enabled():
+    with torch_ext.enable():
         grads = _results(_run_in_threads(_checkpointed_grads))
     for seed in range(THREADS):
         _assert_grads_equal(grads[seed], expected[seed], f"thread {seed}")

@@ -167,7 +167,7 @@ def test_grad_enabled_engine_and_split_passes_are_traced():
     loss, (x, w) = small_graph()
     with torch_ext.trace() as t:
         torch_ext.grad(loss, [x], retain_graph=True)
-        with torch_ext.enabled():
+        with torch_ext.enable():
             loss.backward(retain_graph=True)
         _, state = torch_ext.backward_input(loss, None, [x], [w])
         torch_ext.backward_weight(state)

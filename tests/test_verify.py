@@ -96,7 +96,7 @@ def test_stock_run_is_stock_even_when_torch_ext_is_enabled():
         on_torch_ext.append(any("torch_ext::BackwardDriver" in event.name for event in profile.events()))
         optimizer.step()
 
-    with torch_ext.enabled():
+    with torch_ext.enable():
         report = torch_ext.verify(step, models=[model], optimizers=[optimizer])
     assert report.identical, report.summary()
     assert on_torch_ext == [False, True]

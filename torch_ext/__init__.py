@@ -4,28 +4,35 @@ Importing torch_ext loads its C++ engine first and fails loudly (naming the torc
 for and the one it found) when that is not possible; see torch_ext/_loader.py.
 """
 
+# The names outside __all__ are deprecated, kept for one release (torch_ext._api): each warns, naming its
+# replacement.
 from torch_ext.collective_check import check_collective_order, collective_checks
 from torch_ext.collectives import collective_role, register_collective_backward, unregister_collective_backward
-from torch_ext.current_node import current_node_supported
-from torch_ext.engine import Engine, backward, disable, enable, enabled, grad, is_enabled
+from torch_ext.current_node import current_node_supported as current_node_supported
+from torch_ext.current_node import is_current_node_supported
+from torch_ext.engine import Engine, backward, disable, enable, grad, is_enabled
+from torch_ext.engine import enabled as enabled
 from torch_ext.lanes import run_in_lane
 from torch_ext.order import execution_order
 from torch_ext.priority import (
     LAUNCH_FIRST,
-    auto_collective_priority,
     clear_priority,
     get_priority,
+    is_auto_collective_priority_enabled,
     launch_first,
-    set_auto_collective_priority,
+    set_auto_collective_priority_enabled,
     set_priority,
 )
+from torch_ext.priority import auto_collective_priority as auto_collective_priority
+from torch_ext.priority import set_auto_collective_priority as set_auto_collective_priority
 from torch_ext.split import (
     SplitState,
     backward_input,
     backward_weight,
+    get_weight_accumulation_batching,
     set_weight_accumulation_batching,
-    weight_accumulation_batching,
 )
+from torch_ext.split import weight_accumulation_batching as weight_accumulation_batching
 from torch_ext.tracing import Trace, trace
 from torch_ext.verify import VerifyReport, verify  # torch_ext.verify is the function; the module is in sys.modules
 
@@ -35,7 +42,6 @@ __all__ = [
     "SplitState",
     "Trace",
     "VerifyReport",
-    "auto_collective_priority",
     "backward",
     "backward_input",
     "backward_weight",
@@ -43,26 +49,26 @@ __all__ = [
     "clear_priority",
     "collective_checks",
     "collective_role",
-    "current_node_supported",
     "disable",
     "enable",
-    "enabled",
     "execution_order",
     "get_priority",
+    "get_weight_accumulation_batching",
     "grad",
+    "is_auto_collective_priority_enabled",
+    "is_current_node_supported",
     "is_enabled",
     "kernels",
     "launch_first",
     "ops",
     "register_collective_backward",
     "run_in_lane",
-    "set_auto_collective_priority",
+    "set_auto_collective_priority_enabled",
     "set_priority",
     "set_weight_accumulation_batching",
     "trace",
     "unregister_collective_backward",
     "verify",
-    "weight_accumulation_batching",
 ]
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from torch_ext._api import deprecated
 from torch_ext._loader import _C
 
 
-def current_node_supported() -> bool:
+def is_current_node_supported() -> bool:
     """Whether torch_ext makes each node the current autograd node while it runs, as stock does.
 
     Stock PyTorch sets it with ``NodeGuard``, which libtorch does not export; on x86-64 torch_ext finds the
@@ -30,3 +31,8 @@ def current_node_supported() -> bool:
         backward(probe * 1.0)
         state = _C._current_node_state()
     return state == "available"
+
+
+current_node_supported = deprecated(
+    "torch_ext.current_node_supported", "torch_ext.is_current_node_supported", is_current_node_supported
+)

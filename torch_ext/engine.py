@@ -17,16 +17,15 @@ would raise on) goes through stock's Python as above.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Iterator
 
 import torch
 from torch.autograd import graph as autograd_graph
 from torch.autograd.variable import Variable
 
+from torch_ext._api import Undo, deprecated
 from torch_ext._loader import _C
 from torch_ext.priority import priority_overrides
 
@@ -147,14 +146,19 @@ class _routed:  # lower case: used like a function, `with _routed(priorities, ap
         _thread.overrides = self._outer
 
 
-def enable() -> None:
+def enable() -> Undo:
     """Makes torch_ext's engine the one torch.autograd calls, for every thread of the process.
 
-    Calls nest: each enable() is undone by one disable().
+    Calls nest: each ``enable()`` is undone by one :func:`disable`, or by the end of its ``with`` block::
+
+        torch_ext.enable()  # from now on
+        with torch_ext.enable():  # every backward pass in the block
+            loss.backward()
     """
     router = _installed_router()
     with _install_lock:
         router.enabled_depth += 1
+    return Undo("enable()", disable)
 
 
 def disable() -> None:
@@ -170,14 +174,7 @@ def is_enabled() -> bool:
     return _router is not None and _router.enabled_depth > 0
 
 
-@contextlib.contextmanager
-def enabled() -> Iterator[None]:
-    """``with torch_ext.enabled():`` runs every backward pass in the block on torch_ext's engine."""
-    enable()
-    try:
-        yield
-    finally:
-        disable()
+enabled = deprecated("torch_ext.enabled", "torch_ext.enable", enable, hint=", a context manager too")
 
 
 # What a plain call's stock Python does besides argument handling, mirrored by the direct calls below

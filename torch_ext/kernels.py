@@ -10,7 +10,7 @@ of launches, not bandwidth, sets the cost. These ops are registered in the ``tor
 
 Arithmetic is in fp32 whatever the storage dtype (float32, float16, bfloat16), rounded once to the
 destination dtype. On CUDA they run the Triton kernels of triton_kernels/multi_tensor.py, one launch per
-dtype combination in the list; on CPU, and on CUDA with ``use_triton(False)`` or ``TORCH_EXT_TRITON=0``
+dtype combination in the list; on CPU, and on CUDA with ``set_triton_enabled(False)`` or ``TORCH_EXT_TRITON=off``
 in the environment, or without triton installed, the plain-torch references of
 triton_kernels/multi_tensor_ref.py (torch foreach ops and copies). Non-contiguous tensors give the same
 results on every path: on CUDA they are copied to contiguous ones when read-only, and handed to the
@@ -22,6 +22,7 @@ express. Importing this module does not need triton.
 """
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import itertools
@@ -32,10 +33,11 @@ from types import ModuleType
 import torch
 from torch.library import triton_op, wrap_triton
 
+from torch_ext._api import Undo, deprecated, warn_deprecated
 from torch_ext._loader import TRITON_VARIABLE, switch_on
 from triton_kernels.multi_tensor_ref import SUPPORTED_DTYPES, accumulate_ref_, pack_ref, sum_n_ref, unpack_ref_
 
-__all__ = ["multi_tensor_accumulate_", "pack", "sum_n", "triton_enabled", "unpack_", "use_triton"]
+__all__ = ["is_triton_enabled", "multi_tensor_accumulate_", "pack", "set_triton_enabled", "sum_n", "unpack_"]
 
 _use_triton = switch_on(TRITON_VARIABLE)
 
@@ -44,17 +46,39 @@ _use_triton = switch_on(TRITON_VARIABLE)
 _TRITON_DEVICE_TYPES = ("cuda",)
 
 
-def use_triton(enabled: bool) -> bool:
-    """Turns the Triton kernels on or off for CUDA tensors (off: the torch references run), process-wide.
-    Returns the previous setting. The default is on unless ``TORCH_EXT_TRITON=off`` (or ``0``) is in the environment."""
+def set_triton_enabled(enabled: bool) -> Undo:
+    """Turns the Triton kernels on or off for CUDA tensors (off: the torch references run), process-wide;
+    ``with`` limits it to a block. The default is on unless ``TORCH_EXT_TRITON=off`` (or ``0``) is in the
+    environment."""
     global _use_triton
     previous, _use_triton = _use_triton, bool(enabled)
+    return Undo(f"kernels.set_triton_enabled({bool(enabled)})", functools.partial(_set_use_triton, previous))
+
+
+def _set_use_triton(enabled: bool) -> None:
+    global _use_triton
+    _use_triton = enabled
+
+
+def is_triton_enabled() -> bool:
+    """Whether CUDA tensors go to the Triton kernels (:func:`set_triton_enabled`); False also when triton is not
+    installed."""
+    return _use_triton and _multi_tensor_kernels() is not None
+
+
+def use_triton(enabled: bool) -> bool:
+    """Deprecated: use :func:`set_triton_enabled`. ``use_triton`` will be removed in the next release.
+
+    Turns the Triton kernels on or off, as ``set_triton_enabled`` does, and returns the previous setting."""
+    warn_deprecated("torch_ext.kernels.use_triton", "torch_ext.kernels.set_triton_enabled")
+    previous = _use_triton
+    set_triton_enabled(enabled)
     return previous
 
 
-def triton_enabled() -> bool:
-    """Whether CUDA tensors go to the Triton kernels (``use_triton``); False also when triton is not installed."""
-    return _use_triton and _multi_tensor_kernels() is not None
+triton_enabled = deprecated(
+    "torch_ext.kernels.triton_enabled", "torch_ext.kernels.is_triton_enabled", is_triton_enabled
+)
 
 
 def multi_tensor_accumulate_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alpha: float = 1.0) -> None:

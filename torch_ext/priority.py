@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from torch_ext._api import Undo, deprecated
 from torch_ext._loader import _C
 
 
@@ -104,8 +105,8 @@ def launch_first(target: PriorityTarget) -> None:
     set_priority(target, LAUNCH_FIRST, propagate=True)
 
 
-def set_auto_collective_priority(enabled: bool) -> None:
-    """Switches the automatic priority of collectives (on by default).
+def set_auto_collective_priority_enabled(enabled: bool) -> Undo:
+    """Switches the automatic priority of collectives (on by default); ``with`` limits it to a block.
 
     When on, the backward node that launches a collective — torch_ext's own ops
     (:mod:`torch_ext.ops`), PyTorch's functional collectives (``_c10d_functional``), TorchRec's
@@ -115,13 +116,32 @@ def set_auto_collective_priority(enabled: bool) -> None:
     so its communication starts as early as dependencies allow.
     """
     if not isinstance(enabled, bool):
-        raise TypeError(f"torch_ext.set_auto_collective_priority: expected a bool, got {type(enabled).__name__}")
+        raise TypeError(
+            f"torch_ext.set_auto_collective_priority_enabled: expected a bool, got {type(enabled).__name__}"
+        )
+    previous = _C.auto_collective_priority()
     _C.set_auto_collective_priority(enabled)
+    return Undo(
+        f"set_auto_collective_priority_enabled({enabled})",
+        lambda: _C.set_auto_collective_priority(previous),
+    )
 
 
-def auto_collective_priority() -> bool:
-    """Whether collectives are prioritised automatically (:func:`set_auto_collective_priority`)."""
+def is_auto_collective_priority_enabled() -> bool:
+    """Whether collectives are prioritised automatically (:func:`set_auto_collective_priority_enabled`)."""
     return _C.auto_collective_priority()
+
+
+set_auto_collective_priority = deprecated(
+    "torch_ext.set_auto_collective_priority",
+    "torch_ext.set_auto_collective_priority_enabled",
+    set_auto_collective_priority_enabled,
+)
+auto_collective_priority = deprecated(
+    "torch_ext.auto_collective_priority",
+    "torch_ext.is_auto_collective_priority_enabled",
+    is_auto_collective_priority_enabled,
+)
 
 
 def priority_overrides(priorities, api: str) -> list[tuple[Node, int, bool]] | None:

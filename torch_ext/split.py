@@ -25,6 +25,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 from torch.overrides import is_tensor_like
 
+from torch_ext._api import Undo, deprecated
 from torch_ext._loader import _C
 from torch_ext.engine import _compiled_autograd_enabled
 
@@ -89,8 +90,8 @@ def backward_weight(state: SplitState, *, retain_graph: bool = False) -> tuple[t
     return _C.backward_weight(state, retain_graph)
 
 
-def set_weight_accumulation_batching(mode: str) -> None:
-    """How the weight pass accumulates into ``.grad`` that already holds a gradient.
+def set_weight_accumulation_batching(mode: str) -> Undo:
+    """How the weight pass accumulates into ``.grad`` that already holds a gradient; ``with`` limits it to a block.
 
     When nothing observes the accumulation (no hook of any kind on the weight, grad mode off), each
     weight's AccumulateGrad would do ``.grad += gradient`` in place, one kernel launch per weight on
@@ -100,14 +101,23 @@ def set_weight_accumulation_batching(mode: str) -> None:
     Args:
         mode: ``"accelerator"`` (default: weights on CUDA and other accelerators), ``"always"`` (CPU
             too; there the op is ``torch._foreach_add_``) or ``"off"`` (every weight through its own
-            AccumulateGrad). ``torch_ext.kernels.use_triton(False)`` keeps the batch but swaps the
+            AccumulateGrad). ``torch_ext.kernels.set_triton_enabled(False)`` keeps the batch but swaps the
             Triton kernel for the torch reference.
     """
     if not isinstance(mode, str):
         raise TypeError(f"torch_ext.set_weight_accumulation_batching: mode must be a str, got {type(mode).__name__}")
+    previous = _C.weight_accumulation_batching()
     _C.set_weight_accumulation_batching(mode)
+    return Undo(f"set_weight_accumulation_batching({mode!r})", lambda: _C.set_weight_accumulation_batching(previous))
 
 
-def weight_accumulation_batching() -> str:
+def get_weight_accumulation_batching() -> str:
     """The mode :func:`set_weight_accumulation_batching` set."""
     return _C.weight_accumulation_batching()
+
+
+weight_accumulation_batching = deprecated(
+    "torch_ext.weight_accumulation_batching",
+    "torch_ext.get_weight_accumulation_batching",
+    get_weight_accumulation_batching,
+)

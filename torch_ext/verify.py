@@ -6,7 +6,7 @@
 
 How it runs. The state the step reads and writes is snapshotted, the step runs ``steps`` times on
 stock's engine, the snapshot is restored, the step runs ``steps`` times inside
-:func:`torch_ext.enabled`, and the snapshot is restored again. The snapshot holds every parameter and
+``with torch_ext.enable()``, and the snapshot is restored again. The snapshot holds every parameter and
 buffer of ``models`` (with the local shards of a TorchRec ``ShardedTensor`` in their state dicts),
 each parameter's ``.grad``, a deep copy of each optimizer's and each ``stateful`` object's
 ``state_dict()``, and the random number generators: torch's CPU generator, CUDA's (when CUDA is
@@ -660,7 +660,7 @@ class _Session:
 
     def run(self, engine: str, step: Callable[[], Any], steps: int) -> None:
         self.engine = engine
-        with _engine.enabled() if engine == "torch_ext" else contextlib.nullcontext():
+        with _engine.enable() if engine == "torch_ext" else contextlib.nullcontext():
             for index in range(steps):
                 self.step_index, self._call_index = index, 0
                 if engine == "stock":

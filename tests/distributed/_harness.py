@@ -76,7 +76,7 @@ def assert_torch_ext_matches_stock(rank_results: list[dict], case_name: str) -> 
     for rank, result in enumerate(rank_results):
         stock, ours = dict(result[case_name]["stock"]), dict(result[case_name]["torch_ext"])
         assert not stock.pop("driver_ran"), f"rank {rank}: the stock run went through torch_ext"
-        assert ours.pop("driver_ran"), f"rank {rank}: backward under enabled() did not run on torch_ext"
+        assert ours.pop("driver_ran"), f"rank {rank}: backward under enable() did not run on torch_ext"
         assert_identical(ours, stock, f"rank {rank}")
 
 

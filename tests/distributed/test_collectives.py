@@ -175,11 +175,11 @@ def _scheduling(rank: int) -> dict:
     for family, collective in (("torch_ext", _ours), ("functional", _functional)):
         for variant in ("stock", "torch_ext", "torch_ext_auto_off"):
             loss, table, log, watched = _sparse_dense_loss(rank, collective)
-            torch_ext.set_auto_collective_priority(variant != "torch_ext_auto_off")
+            torch_ext.set_auto_collective_priority_enabled(variant != "torch_ext_auto_off")
             try:
                 _backward(loss, "stock" if variant == "stock" else "torch_ext")
             finally:
-                torch_ext.set_auto_collective_priority(True)
+                torch_ext.set_auto_collective_priority_enabled(True)
             results[(family, variant)] = {
                 "log": list(log),
                 "grad": table.grad,
@@ -333,7 +333,7 @@ CONCERNS = {
 
 def _run_concern(concern: str, rank: int) -> dict:
     results = {key: run(rank) for key, run in CONCERNS[concern].items()}
-    results["current_node_supported"] = torch_ext.current_node_supported()
+    results["current_node_supported"] = torch_ext.is_current_node_supported()
     return results
 
 

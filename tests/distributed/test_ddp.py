@@ -3,7 +3,7 @@
 DDP's reducer all-reduces gradients from AccumulateGrad post hooks as buckets fill and finishes
 in a final callback (Engine::queue_callback), which only works inside a current graph task: both
 depend on torch_ext's host task. Two gloo ranks on loopback each train the same model with SGD
-twice, on the stock engine and then under ``torch_ext.enabled()``, from the same initial
+twice, on the stock engine and then under ``torch_ext.enable()``, from the same initial
 parameters and the same per-rank data; every gradient after every backward and the final
 parameters must be equal.
 """
@@ -125,7 +125,7 @@ def _train(case: DdpCase, rank: int, on_torch_ext: bool) -> dict:
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.9)
     grads, losses, synced = [], [], []
     driver_ran = None
-    with torch_ext.enabled() if on_torch_ext else contextlib.nullcontext():
+    with torch_ext.enable() if on_torch_ext else contextlib.nullcontext():
         for step in range(STEPS):
             optimizer.zero_grad()
             for micro_batch in range(case.micro_batches):

@@ -153,7 +153,7 @@ def _rank(rank: int, port: int, fault: str, through: str, out_dir: str) -> None:
         start = time.monotonic()
         error, raised_in = None, []
         try:
-            with torch_ext.enabled():
+            with torch_ext.enable():
                 loss.backward()
         except Exception as e:  # noqa: BLE001 - reported to the test
             error = f"{type(e).__name__}: {e}\n{''.join(getattr(e, '__notes__', []))}"
@@ -166,7 +166,7 @@ def _rank(rank: int, port: int, fault: str, through: str, out_dir: str) -> None:
         # The engine runs the next backward, a local one (the group may be broken).
         x = torch.randn(4, 4, requires_grad=True)
         (expected,) = torch.autograd.grad((x.tanh() * 3).sum(), x)
-        with torch_ext.enabled():
+        with torch_ext.enable():
             (x.tanh() * 3).sum().backward()
         reference = next_step = None
         if fault == "hook":
@@ -176,7 +176,7 @@ def _rank(rank: int, port: int, fault: str, through: str, out_dir: str) -> None:
             reference = [leaf.grad for leaf in reference_leaves]
             # And torch_ext's, of a fresh graph, communication included.
             next_loss, next_leaves, _ = _loss("none", rank, through)
-            with torch_ext.enabled():
+            with torch_ext.enable():
                 next_loss.backward()
             next_step = [leaf.grad for leaf in next_leaves]
         report(

@@ -8,7 +8,7 @@ reduce-scatter wait, resharding, and FSDP1's gradient bookkeeping). FSDP2 also r
 Function nodes (``RegisterPostBackwardFunction``) and tensor hooks that all-gather parameters again.
 
 Two gloo ranks on loopback train each model on the stock engine and then under
-``torch_ext.enabled()``, from the same initial parameters and the same per-rank data. After every
+``torch_ext.enable()``, from the same initial parameters and the same per-rank data. After every
 backward, every parameter's gradient must be equal, as the rank's local shard and as the full
 tensor gathered from both ranks; so must the parameters after the last step.
 """
@@ -287,7 +287,7 @@ def _train(case: FsdpCase, rank: int, on_torch_ext: bool, mesh: DeviceMesh) -> d
     optimizer = case.make_optimizer(model.parameters())
     grads, losses, fsdp_events = [], [], []
     driver_ran = None
-    with torch_ext.enabled() if on_torch_ext else contextlib.nullcontext():
+    with torch_ext.enable() if on_torch_ext else contextlib.nullcontext():
         for step in range(STEPS):
             optimizer.zero_grad()
             for micro_batch in range(case.micro_batches):

@@ -4,7 +4,7 @@ Each of two gloo ranks holds one expert. A gate routes every token to one expert
 all_to_all that dispatches tokens (``torch_ext.ops.all_to_all_single``) has uneven splits that change
 from step to step; a second all_to_all brings the experts' outputs back. The layer's input ``h`` also
 feeds the gate, a dense path and the residual, so its node's input buffer sums four gradients. Under
-``torch_ext.enabled()`` the collectives' automatic priority and deferred waits run the producers into
+``torch_ext.enable()`` the collectives' automatic priority and deferred waits run the producers into
 that buffer in another order than stock (issue #12 saw 16 of 25 gradients differ at step 0); the sums
 must still be stock's, bit for bit: every gradient after every step and every parameter after it.
 """
@@ -81,7 +81,7 @@ def _train(case: None, rank: int, on_torch_ext: bool) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     grads, params, splits, orders = [], [], [], []
     driver_ran = None
-    with torch_ext.enabled() if on_torch_ext else contextlib.nullcontext():
+    with torch_ext.enable() if on_torch_ext else contextlib.nullcontext():
         for step in range(STEPS):
             generator = torch.Generator().manual_seed(100 * rank + step)
             tokens = torch.randn(TOKENS[rank], DIM, generator=generator)
@@ -103,7 +103,7 @@ def _train(case: None, rank: int, on_torch_ext: bool) -> dict:
 
 def _train_on_both(rank: int) -> dict:
     results = train_on_both_engines({"top1_uneven": None}, _train, rank)
-    results["current_node_supported"] = torch_ext.current_node_supported()
+    results["current_node_supported"] = torch_ext.is_current_node_supported()
     return results
 
 

@@ -144,7 +144,7 @@ def _train(case: Case, rank: int, on_torch_ext: bool) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     result = {"grads": [], "orders": [], "driver_ran": None, "threads": None}
     with (
-        torch_ext.enabled() if on_torch_ext else contextlib.nullcontext(),
+        torch_ext.enable() if on_torch_ext else contextlib.nullcontext(),
         _declared(function, case.lane and on_torch_ext),
     ):
         for step in range(STEPS):

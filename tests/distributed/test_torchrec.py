@@ -74,7 +74,7 @@ def _local_tables(model) -> dict:
 
 
 def _engine(on_torch_ext: bool):
-    return torch_ext.enabled() if on_torch_ext else contextlib.nullcontext()
+    return torch_ext.enable() if on_torch_ext else contextlib.nullcontext()
 
 
 def _record_order(roots) -> list:

@@ -174,9 +174,8 @@ def device_path(monkeypatch, multi_tensor):
         launch(launches)
 
     monkeypatch.setattr(torch_ext.kernels, "_launch", counting_launch)
-    previous = torch_ext.kernels.use_triton(True)
-    yield launch_counts
-    torch_ext.kernels.use_triton(previous)
+    with torch_ext.kernels.set_triton_enabled(True):
+        yield launch_counts
 
 
 def test_device_path_handles_many_tensors_in_one_launch(device_path):
@@ -221,9 +220,9 @@ def test_device_path_switch_runs_the_reference(device_path):
     dsts, srcs = randn_list(FP16), randn_list(FP16)
     expected = [d.clone() for d in dsts]
     ref.accumulate_ref_(expected, srcs, 1.0)
-    torch_ext.kernels.use_triton(False)
-    torch_ext.kernels._multi_tensor_accumulate_on_device(dsts, srcs)
-    torch_ext.kernels._pack_on_device(srcs)
+    with torch_ext.kernels.set_triton_enabled(False):
+        torch_ext.kernels._multi_tensor_accumulate_on_device(dsts, srcs)
+        torch_ext.kernels._pack_on_device(srcs)
     assert device_path == []
     assert_same_bits(dsts, expected)
 

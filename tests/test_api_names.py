@@ -1,0 +1,138 @@
+"""The API's names: one convention (torch_ext/_api.py), setters that a ``with`` block undoes, and the deprecated
+names, each of which warns, naming its replacement, and still works."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torch_ext
+from torch_ext import kernels
+
+
+def _deprecated_call(name: str, replacement: str, call):
+    """``call()``'s result, asserting that it warned once, a FutureWarning naming ``replacement``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call()
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (
+            FutureWarning,
+            f"{name} is deprecated and will be removed in the next release; use {replacement}"
+            + (", a context manager too" if name == "torch_ext.enabled" else ""),
+        )
+    ]
+    # Attributed to the caller's line, where the name has to change.
+    assert caught[0].filename == __file__
+    return result
+
+
+def test_enabled_warns_and_is_enable():
+    with _deprecated_call("torch_ext.enabled", "torch_ext.enable", torch_ext.enabled):
+        assert torch_ext.is_enabled()
+        x = torch.ones(2, requires_grad=True)
+        (x * 3).sum().backward()
+    assert not torch_ext.is_enabled()
+    assert torch.equal(x.grad, torch.full((2,), 3.0))
+
+
+def test_auto_collective_priority_names_warn_and_work():
+    assert _deprecated_call(
+        "torch_ext.auto_collective_priority",
+        "torch_ext.is_auto_collective_priority_enabled",
+        torch_ext.auto_collective_priority,
+    )
+    _deprecated_call(
+        "torch_ext.set_auto_collective_priority",
+        "torch_ext.set_auto_collective_priority_enabled",
+        lambda: torch_ext.set_auto_collective_priority(False),
+    )
+    try:
+        assert not torch_ext.is_auto_collective_priority_enabled()
+    finally:
+        torch_ext.set_auto_collective_priority_enabled(True)
+
+
+def test_weight_accumulation_batching_warns_and_works():
+    with torch_ext.set_weight_accumulation_batching("always"):
+        assert (
+            _deprecated_call(
+                "torch_ext.weight_accumulation_batching",
+                "torch_ext.get_weight_accumulation_batching",
+                torch_ext.weight_accumulation_batching,
+            )
+            == "always"
+        )
+
+
+def test_current_node_supported_warns_and_works():
+    supported = _deprecated_call(
+        "torch_ext.current_node_supported", "torch_ext.is_current_node_supported", torch_ext.current_node_supported
+    )
+    assert supported == torch_ext.is_current_node_supported()
+
+
+def test_kernels_names_warn_and_work():
+    installed = kernels._multi_tensor_kernels() is not None
+    with kernels.set_triton_enabled(True):
+        previous = _deprecated_call(
+            "torch_ext.kernels.use_triton", "torch_ext.kernels.set_triton_enabled", lambda: kernels.use_triton(False)
+        )
+        assert previous is True  # use_triton returns the previous setting, as before
+        assert not _deprecated_call(
+            "torch_ext.kernels.triton_enabled", "torch_ext.kernels.is_triton_enabled", kernels.triton_enabled
+        )
+    assert kernels.is_triton_enabled() == installed
+
+
+def test_deprecated_names_stay_out_of_all():
+    for name in ("enabled", "auto_collective_priority", "set_auto_collective_priority", "current_node_supported"):
+        assert name not in torch_ext.__all__
+    for name in ("use_triton", "triton_enabled"):
+        assert name not in kernels.__all__
+    assert all(hasattr(torch_ext, name) for name in torch_ext.__all__)
+
+
+# The setters: in effect at once, and undone at the end of a with block.
+
+
+def test_enable_is_a_call_and_a_context_manager():
+    torch_ext.enable()
+    try:
+        with torch_ext.enable():
+            assert torch_ext.is_enabled()
+        assert torch_ext.is_enabled()  # the outer enable() is still on
+    finally:
+        torch_ext.disable()
+    assert not torch_ext.is_enabled()
+    with pytest.raises(ValueError, match="inside"), torch_ext.enable():
+        raise ValueError("raised inside")
+    assert not torch_ext.is_enabled()
+
+
+@pytest.mark.parametrize(
+    "setter, getter, value",
+    [
+        (
+            torch_ext.set_auto_collective_priority_enabled,
+            torch_ext.is_auto_collective_priority_enabled,
+            False,
+        ),
+        (torch_ext.set_weight_accumulation_batching, torch_ext.get_weight_accumulation_batching, "always"),
+    ],
+    ids=["auto_collective_priority", "weight_accumulation_batching"],
+)
+def test_a_setter_in_a_with_block_restores_the_setting(setter, getter, value):
+    before = getter()
+    with setter(value):
+        assert getter() == value
+    assert getter() == before
+    undo = setter(value)  # called plainly it stays in effect
+    try:
+        assert getter() == value
+    finally:
+        with undo:
+            pass
+    assert getter() == before
