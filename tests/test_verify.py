@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import statistics
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy
 import pytest
@@ -182,7 +185,7 @@ def test_an_extra_backward_call_on_torch_ext_is_a_difference():
 
     report = torch_ext.verify(step, models=[model], optimizers=[optimizer])
     assert [(d.what, d.detail) for d in report.differences] == [("backward calls", "stock made 1, torch_ext 2")]
-    assert "step 0, backward call 1: stock (no such call); torch_ext 6 nodes" in report.summary()
+    assert "step 0, backward call 1 (cold): stock (no such call); torch_ext 6 nodes" in report.summary()
 
 
 def test_random_generators_are_snapshotted():
@@ -269,18 +272,6 @@ def differing():
 """
 
 
-def _command(*args: str, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "torch_ext", "verify", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-
-
 @pytest.mark.slow
 def test_command_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "train_step.py").write_text(textwrap.dedent(STEP_MODULE))
@@ -300,5 +291,80 @@ def test_command_line(tmp_path, monkeypatch, capsys):
     # Per step: 4 gradients, 4 parameters (SGD without momentum keeps no state), the loss.
     assert capsys.readouterr().out.startswith("torch_ext.verify: IDENTICAL: 18 values bit for bit, 2 steps")
     sys.modules.pop("train_step")
-    with pytest.raises(SystemExit, match="expected module:function"):
-        torch_ext_main(["verify", "train_step"])
+
+
+@pytest.mark.parametrize(
+    "target, error",
+    [
+        ("train_step", "expected module:function, got 'train_step'"),
+        ("nosuchmodule:fn", "no module named 'nosuchmodule'"),
+        ("nosuchpackage.module:fn", "no module named 'nosuchpackage'"),
+        ("train_step:nosuch", "train_step has no function 'nosuch'"),
+        ("nosuchfile.py:step", "no such file: 'nosuchfile.py'"),
+    ],
+)
+def test_command_line_names_a_bad_target_in_one_line(target, error, tmp_path, monkeypatch, capsys):
+    (tmp_path / "train_step.py").write_text(textwrap.dedent(STEP_MODULE))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "train_step", raising=False)
+    # Exit status 2, as argparse gives for a bad argument: 1 means "different".
+    with pytest.raises(SystemExit) as exit_info:
+        torch_ext_main(["verify", target])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith(f"python -m torch_ext verify: error: {error}"), stderr
+    assert stderr.count("\n") == 1, stderr
+    sys.modules.pop("train_step", None)
+
+
+def test_command_line_keeps_the_traceback_of_an_import_inside_the_module(tmp_path, monkeypatch):
+    (tmp_path / "broken_step.py").write_text("import nosuchdependency\n\ndef step():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModuleNotFoundError, match="nosuchdependency"):
+        torch_ext_main(["verify", "broken_step:step"])
+
+
+def test_verify_is_the_function_and_the_module():
+    assert isinstance(torch_ext.verify, types.ModuleType) and callable(torch_ext.verify)
+    assert torch_ext.verify.VerifyReport is torch_ext.VerifyReport
+    assert torch_ext.verify.Difference.__name__ == "Difference"  # documented in docs/api.rst
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    report = torch_ext.verify(_training_step(model, optimizer), models=[model], optimizers=[optimizer])
+    assert isinstance(report, torch_ext.verify.VerifyReport) and report.identical
+
+
+@pytest.mark.parametrize(
+    "step, error",
+    [
+        (None, "step must be the training step, a callable that takes no arguments; got None"),
+        ("train_step:step", "step must be the training step, a callable that takes no arguments; got a str"),
+        (lambda batch: None, "step must take no arguments, but '<lambda>' has the signature (batch)"),
+    ],
+)
+def test_verify_names_what_it_expects_of_step(step, error):
+    with pytest.raises(TypeError, match=re.escape(f"torch_ext.verify: {error}")):
+        torch_ext.verify(step)
+
+
+def test_report_says_which_times_are_cold():
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _training_step(model, optimizer)
+    report = torch_ext.verify(step, steps=3, models=[model], optimizers=[optimizer])
+    for engine in ("stock", "torch_ext"):
+        assert [run.cold for run in report.backward[engine]] == [True, False, False]
+    lines = report.summary().splitlines()
+    assert [line.startswith("  step 0, backward call 0 (cold): stock 10 nodes in ") for line in lines].count(True) == 1
+    assert "  step 1, backward call 0: stock 10 nodes in " in "\n".join(lines)
+    (warm,) = [line for line in lines if "warm" in line]
+    stock_ms = statistics.median(run.duration_ms for run in report.backward["stock"][1:])
+    ours_ms = statistics.median(run.duration_ms for run in report.backward["torch_ext"][1:])
+    assert warm.startswith(
+        f"  warm backward time per step (median of steps 1-2): stock {stock_ms:.2f} ms, torch_ext {ours_ms:.2f} ms; "
+        "step 0's times are cold (first calls"
+    ), warm
+
+    one_step = torch_ext.verify(step, models=[model], optimizers=[optimizer]).summary()
+    assert "warm backward time" not in one_step
+    assert "steps=2 or more (--steps 2) reports warm ones too" in one_step

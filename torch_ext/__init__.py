@@ -6,6 +6,7 @@ for and the one it found) when that is not possible; see torch_ext/_loader.py.
 
 # The names outside __all__ are deprecated, kept for one release (torch_ext._api): each warns, naming its
 # replacement.
+from torch_ext import verify  # the module, callable: torch_ext.verify(step) is torch_ext.verify.verify(step)
 from torch_ext.collective_check import check_collective_order, collective_checks
 from torch_ext.collectives import collective_role, register_collective_backward, unregister_collective_backward
 from torch_ext.current_node import current_node_supported as current_node_supported
@@ -34,7 +35,7 @@ from torch_ext.split import (
 )
 from torch_ext.split import weight_accumulation_batching as weight_accumulation_batching
 from torch_ext.tracing import Trace, trace
-from torch_ext.verify import VerifyReport, verify  # torch_ext.verify is the function; the module is in sys.modules
+from torch_ext.verify import VerifyReport
 
 __all__ = [
     "LAUNCH_FIRST",

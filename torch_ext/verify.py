@@ -57,11 +57,13 @@ import itertools
 import math
 import os
 import random
+import statistics
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.autograd.variable import Variable
@@ -161,6 +163,8 @@ class BackwardRun:
     number, ``"Name #k"`` with k its position in a walk of the call's graph from the roots (the same
     node on both engines has the same k; raw sequence numbers differ between the runs' graphs).
     ``None`` where it could not be recorded (a :func:`torch_ext.trace` already active in the step).
+    ``duration_ms``: the call's wall time, recording included (stock: a hook on every node; torch_ext: its
+    trace).
     """
 
     engine: str
@@ -169,6 +173,13 @@ class BackwardRun:
     duration_ms: float
     order: tuple[str, ...] | None
     collectives: tuple[Collective, ...]
+
+    @property
+    def cold(self) -> bool:
+        """Whether this is the engine's first run of the call (step 0): its time includes one-off setup, and on
+        torch_ext planning a graph structure new to the process (later calls replay the plan). Later steps' times
+        are warm."""
+        return self.step == 0
 
     @property
     def overlap(self) -> float | None:
@@ -243,6 +254,8 @@ class VerifyReport:
         our_runs = {(run.step, run.index): run for run in self.backward["torch_ext"]}
         for call in sorted(stock_runs.keys() | our_runs.keys()):
             lines += _describe_calls(stock_runs.get(call), our_runs.get(call), verbose)
+        if stock_runs or our_runs:
+            lines.append(_describe_times(self))
         if any(run.collectives for runs in self.backward.values() for run in runs):
             overlaps = {engine: self.overlap(engine) for engine in ENGINES}
             lines.append(
@@ -284,6 +297,7 @@ def verify(
 def _verify(step, steps, models, optimizers, stateful, group, restore_rng: bool) -> VerifyReport:
     """:func:`verify`; ``restore_rng=False`` runs torch_ext from wherever stock left the generators (to show
     that the snapshot of the generators is needed)."""
+    _check_step(step)
     if steps < 1:
         raise ValueError(f"torch_ext.verify: steps must be at least 1, got {steps}")
     notes: list[str] = []
@@ -317,6 +331,26 @@ def _verify(step, steps, models, optimizers, stateful, group, restore_rng: bool)
     )
     _agree_across_ranks(report, group)
     return report
+
+
+def _check_step(step: Any) -> None:
+    """A TypeError, naming what verify expects, unless ``step`` can be called with no arguments."""
+    if not callable(step):
+        got = "None" if step is None else f"a {type(step).__name__}"
+        raise TypeError(
+            f"torch_ext.verify: step must be the training step, a callable that takes no arguments; got {got}"
+        )
+    try:
+        signature = inspect.signature(step)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call itself will tell
+        return
+    try:
+        signature.bind()
+    except TypeError as error:
+        raise TypeError(
+            f"torch_ext.verify: step must take no arguments, but {getattr(step, '__qualname__', step)!r} has the "
+            f"signature {signature} ({error}); wrap it, for instance functools.partial(step, batch)"
+        ) from None
 
 
 # --- what to snapshot ----------------------------------------------------------------------------
@@ -982,12 +1016,32 @@ def _format_share(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
+def _describe_times(report: VerifyReport) -> str:
+    """The line that says which times are cold and, past step 0, each engine's warm time per step."""
+    cold = "step 0's times are cold (first calls: one-off setup; torch_ext plans a graph structure new to the process)"
+    if report.steps == 1:
+        return f"  times: {cold}; steps=2 or more (--steps 2) reports warm ones too"
+    per_step = {
+        engine: [
+            sum(run.duration_ms for run in runs if run.step == step)
+            for step in range(1, report.steps)
+            if any(run.step == step for run in runs)
+        ]
+        for engine, runs in report.backward.items()
+    }
+    if not all(per_step.values()):
+        return f"  times: {cold}"
+    warm = ", ".join(f"{engine} {statistics.median(times):.2f} ms" for engine, times in per_step.items())
+    steps = "step 1" if report.steps == 2 else f"steps 1-{report.steps - 1}"
+    return f"  warm backward time per step (median of {steps}): {warm}; {cold}"
+
+
 def _describe_calls(stock: BackwardRun | None, ours: BackwardRun | None, verbose: bool) -> list[str]:
     """A backward call as the two engines ran it: sizes and times, the orders (where they part), the collectives."""
     runs = (("stock", stock), ("torch_ext", ours))
     first = stock if stock is not None else ours
     lines = [
-        f"  step {first.step}, backward call {first.index}: "
+        f"  step {first.step}, backward call {first.index}{' (cold)' if first.cold else ''}: "
         + "; ".join(f"{engine} {_describe_run(run)}" for engine, run in runs)
     ]
     orders = {engine: run.order for engine, run in runs if run is not None and run.order is not None}
@@ -1093,25 +1147,43 @@ def run_command(args) -> int:
             dist.destroy_process_group()
 
 
+def _usage_error(message: str) -> NoReturn:
+    """Ends ``python -m torch_ext verify`` as argparse ends on a bad argument: one line on stderr, exit status 2
+    (1 means "different")."""
+    print(f"python -m torch_ext verify: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _target(target: str, factory: bool) -> dict[str, Any]:
     """verify()'s keywords from ``module:function``."""
     module_name, separator, function_name = target.rpartition(":")
     if not separator or not module_name or not function_name:
-        raise SystemExit(f"torch_ext verify: expected module:function, got {target!r}")
+        _usage_error(f"expected module:function, got {target!r}")
     if module_name.endswith(".py") or os.sep in module_name:
+        if not os.path.isfile(module_name):
+            _usage_error(f"no such file: {module_name!r}")
         spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(module_name))[0], module_name)
         if spec is None or spec.loader is None:
-            raise SystemExit(f"torch_ext verify: cannot load {module_name}")
+            _usage_error(f"cannot load {module_name!r} as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            # The module itself, or a package above it, is missing. A module missing inside it keeps its traceback.
+            if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
+                raise
+            _usage_error(
+                f"no module named {error.name!r} (importable from {os.getcwd()!r} or sys.path; "
+                "or give the path of a .py file, path/to/file.py:function)"
+            )
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise SystemExit(f"torch_ext verify: {module_name} has no function {function_name!r}")
+        _usage_error(f"{module_name} has no function {function_name!r}")
     if not factory:
         return {"step": function}
     built = function()
@@ -1121,7 +1193,18 @@ def _target(target: str, factory: bool) -> dict[str, Any]:
         return {"step": built}
     if isinstance(built, tuple) and 1 <= len(built) <= 3 and callable(built[0]):
         return dict(zip(("step", "models", "optimizers"), built, strict=False))
-    raise SystemExit(
-        f"torch_ext verify: {target} returned {type(built).__name__}; a factory returns the step, "
+    _usage_error(
+        f"{target} returned {type(built).__name__}; a factory returns the step, "
         "(step, models), (step, models, optimizers) or a dict of verify()'s keywords"
     )
+
+
+class _CallableModule(types.ModuleType):
+    """``torch_ext.verify`` is this module, and calling it calls :func:`verify`: both ``torch_ext.verify(step)`` and
+    ``torch_ext.verify.VerifyReport`` work (a function bound to that name would hide the module's classes)."""
+
+    def __call__(self, *args, **kwargs) -> VerifyReport:
+        return verify(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
