@@ -264,23 +264,84 @@ def test_an_unsafe_group_is_refused_before_any_hook_runs(lane):
         torch_ext.run_in_lane(LaneExchange, group_of=3)
 
 
-def test_ddp_reducing_on_the_lanes_group_is_refused(lane, tmp_path):
+@pytest.fixture
+def world(tmp_path):
+    """A one-rank default process group (gloo), destroyed after the test."""
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
-        torch_ext.run_in_lane(LaneExchange, group_of=lambda ctx: dist.group.WORLD)
-        x = torch.randn(2, 4, requires_grad=True)
-        loss = exchange(x).sum() + model(x).sum()
-        with pytest.raises(RuntimeError, match="DistributedDataParallel also reduces gradients on"):
-            torch_ext.backward(loss)
-        # Declared on a group of its own, the same program runs.
-        torch_ext.run_in_lane(LaneExchange)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _lane_on_world_and(model: torch.nn.Module) -> torch.Tensor:
+    """A loss whose backward runs a lane node declared on the default group, and ``model``."""
+    torch_ext.run_in_lane(LaneExchange, group_of=lambda ctx: dist.group.WORLD)
+    x = torch.randn(2, 4, requires_grad=True)
+    return exchange(x).sum() + model(x).sum()
+
+
+def test_ddp_reducing_on_the_lanes_group_is_refused(lane, world):
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match=r"also uses during backward: DistributedDataParallel reduces gradients"):
+        torch_ext.backward(_lane_on_world_and(model))
+    # Declared on a group of its own, the same program runs.
+    torch_ext.run_in_lane(LaneExchange)
+    del model
+    x = torch.randn(2, 4, requires_grad=True)
+    torch_ext.backward(exchange(x).sum())
+    assert x.grad is not None
+
+
+def test_ddp_wrapped_after_the_lanes_first_backward_is_refused(lane, world):
+    linear = torch.nn.Linear(4, 4)
+    # The group is checked and found free at the first backward ...
+    torch_ext.backward(_lane_on_world_and(linear))
+    torch_ext.backward(_lane_on_world_and(linear))
+    # ... and checked again once a DDP module exists.
+    model = torch.nn.parallel.DistributedDataParallel(linear)
+    with pytest.raises(RuntimeError, match="DistributedDataParallel reduces gradients"):
+        torch_ext.backward(_lane_on_world_and(model))
+    del model
+
+
+def test_a_ddp_communication_hook_on_the_lanes_group_is_refused(lane, world):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    # DDP itself reduces on a group of its own; its hook communicates on the lane's.
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4), process_group=dist.new_group([0]))
+    torch_ext.backward(_lane_on_world_and(model))
+    model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+    with pytest.raises(RuntimeError, match="a DDP communication hook communicates"):
+        torch_ext.backward(_lane_on_world_and(model))
+    del model
+
+
+def _fully_sharded(group) -> torch.nn.Module:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    return fully_shard(model, mesh=DeviceMesh.from_group(group, "cpu"))
+
+
+def test_fsdp_on_the_lanes_group_is_refused(lane, world):
+    model = _fully_sharded(dist.group.WORLD)
+    with pytest.raises(RuntimeError, match=r"FSDP \(fully_shard\) communicates"):
+        torch_ext.backward(_lane_on_world_and(model))
+    del model
+
+
+def test_fsdp_on_another_group_runs_with_stock_bits(lane, world):
+    other = dist.new_group([0])
+    grads = []
+    for backward in (torch.autograd.backward, torch_ext.backward):
+        model = _fully_sharded(other)
+        torch.manual_seed(1)
+        backward(_lane_on_world_and(model))
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
         del model
-        loss = exchange(x).sum()
-        torch_ext.backward(loss)
-        assert x.grad is not None
-    finally:
-        dist.destroy_process_group()
+    for ours, stock in zip(grads[1], grads[0], strict=True):
+        assert torch.equal(ours, stock)
 
 
 @pytest.mark.slow
@@ -325,5 +386,5 @@ def test_the_ddp_scan_passes_over_dead_weak_proxies():
     referent = Referent()
     proxy = weakref.proxy(referent)
     del referent
-    assert torch_ext.lanes._ddp_modules_reducing_on(GROUP) == []
+    assert torch_ext.lanes._data_parallel_on(GROUP) == []
     del proxy

@@ -21,14 +21,23 @@ waits until no lane has work. What it cannot see is why a lane is opt-in: a DDP 
 hook, or a hook of yours, that issues a collective on the lane's group while the lane's collective is in
 flight. Declare a Function only when nothing else communicates on its group during backward -- the
 expert-parallel group of an MoE layer, typically. The rule has no automatic case: the engine can never
-prove that no hook communicates, so no node goes to a lane undeclared. The one unsafe declaration it
-can see, :class:`~torch.nn.parallel.DistributedDataParallel` reducing on the same group, is refused
-with an error on the first backward that would use that group's lane.
+prove that no hook communicates, so no node goes to a lane undeclared. The unsafe declarations it can
+see are refused with an error on the backward that would use that group's lane, before any of its hooks
+runs: :class:`~torch.nn.parallel.DistributedDataParallel` reducing on the same group, a DDP communication
+hook whose state is that group (or holds it as ``process_group``), FSDP2 (``fully_shard``: its parameter
+groups' shard, reduce-scatter and replicate groups) and FSDP1 communicating on it. A group is checked at
+its lane's first use, and again after any DDP module, DDP communication hook or FSDP parameter group is
+made, so wrapping a model after the first backward is seen too. Groups are compared by identity: a second
+group over the same ranks is another communicator (safe under gloo; under NCCL, see the design notes on
+several communicators).
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import gc
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -84,11 +93,64 @@ def _function_name(ctx: Any) -> str:
     return f"{function.__module__}.{function.__qualname__}"
 
 
-def _ddp_modules_reducing_on(group: Any) -> list[torch.nn.Module]:
-    ddp = torch.nn.parallel.DistributedDataParallel
+def _groups_of_hook_state(state: Any) -> list[Any]:
+    # A DDP communication hook's state: the group itself (allreduce_hook), or an object holding it
+    # (DefaultState, PowerSGDState: .process_group).
+    if isinstance(state, (dist.ProcessGroup, torch._C._distributed_c10d.Backend)):
+        return [state]
+    group = getattr(state, "process_group", None)
+    return [] if group is None else [group]
+
+
+def _data_parallel_communication(obj: Any) -> list[tuple[str, Any]]:
+    """What ``obj`` communicates on during backward, if it is data parallelism torch_ext knows of:
+    (what, group) pairs."""
+    kind = type(obj)
+    if issubclass(kind, torch.nn.parallel.DistributedDataParallel):
+        found = [("DistributedDataParallel reduces gradients", obj.process_group)]
+        for _, state in getattr(obj, "_comm_hooks", ()):
+            found += [("a DDP communication hook communicates", g) for g in _groups_of_hook_state(state)]
+        return found
+    if _FSDP_PARAM_GROUP is not None and issubclass(kind, _FSDP_PARAM_GROUP):
+        # FSDP2 (fully_shard): all-gathers parameters (unshard) and reduce-scatters gradients in backward;
+        # HSDP all-reduces across replicas.
+        found = []
+        for mesh_info in (obj.mesh_info, getattr(obj, "post_forward_mesh_info", None)):
+            for attribute in ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group"):
+                group = getattr(mesh_info, attribute, None)
+                if group is not None:
+                    found.append(("FSDP (fully_shard) communicates", group))
+        return found
+    if _FSDP1 is not None and issubclass(kind, _FSDP1):
+        groups = (getattr(obj, "process_group", None), getattr(obj, "_inter_node_pg", None))
+        return [("FullyShardedDataParallel communicates", g) for g in groups if g is not None]
+    return []
+
+
+def _data_parallel_on(group: Any) -> list[str]:
+    """What communicates on ``group`` during backward besides the lane: one line per DDP module, FSDP parameter
+    group or communication hook found on it."""
     # issubclass(type(...)), not isinstance: isinstance asks a weak proxy for its __class__, which raises
     # ReferenceError once its referent is gone, and live objects include such proxies.
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), ddp) and obj.process_group is group]
+    return [what for obj in gc.get_objects() for what, theirs in _data_parallel_communication(obj) if theirs is group]
+
+
+def _forget_checked_groups(*_: Any) -> None:
+    """A new DDP module, FSDP parameter group or communication hook may use a group already checked: every
+    group is checked again at its lane's next use (the cost of a scan of live objects, once)."""
+    _CHECKED_GROUPS.clear()
+
+
+def _recheck_after(owner: type, method: str) -> None:
+    original = getattr(owner, method)
+
+    @functools.wraps(original)
+    def then_recheck(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        _forget_checked_groups()
+        return result
+
+    setattr(owner, method, then_recheck)
 
 
 def _lane_group(ctx: Any) -> Any:
@@ -108,20 +170,48 @@ def _lane_group(ctx: Any) -> Any:
             f"torch_ext.run_in_lane: the process group of {_function_name(ctx)} must be a "
             f"torch.distributed.ProcessGroup, got {type(group).__name__} (pass group_of= to say where it is)"
         )
+    if _fsdp_newly_imported():
+        _forget_checked_groups()
     if id(group) in _CHECKED_GROUPS:
         return group
-    # Once per group: a scan of every live object, tens of ms in a large program.
-    ddp_modules = _ddp_modules_reducing_on(group)
-    if ddp_modules:
+    # Once per group, and again after any DDP module, FSDP parameter group or DDP communication hook is made
+    # (_recheck_after): a scan of every live object, tens of ms in a large program.
+    others = _data_parallel_on(group)
+    if others:
+        what = "; ".join(f"{what} ({count}x)" for what, count in collections.Counter(others).items())
         raise RuntimeError(
-            f"torch_ext.run_in_lane: {_function_name(ctx)} runs its collective on a process group that "
-            f"DistributedDataParallel also reduces gradients on ({len(ddp_modules)} module(s)). DDP's "
-            "all_reduce would be issued while the lane's collective is in flight, in an order that can "
-            "differ between ranks and hang. Give one of them its own group (torch.distributed.new_group), "
-            "or undo the declaration (torch_ext.unregister_collective_backward)."
+            f"torch_ext.run_in_lane: {_function_name(ctx)} runs its collective on a process group that other "
+            f"data parallelism also uses during backward: {what}. Their collectives would be issued while the "
+            "lane's collective is in flight, in an order that can differ between ranks and hang. Give one of "
+            "them its own group (torch.distributed.new_group, or another mesh dimension), or undo the "
+            "declaration (torch_ext.unregister_collective_backward)."
         )
     _CHECKED_GROUPS[id(group)] = group
     return group
 
+
+# FSDP's classes, once torch.distributed.fsdp is imported: importing it here would cost torch_ext's import
+# about 1.7 s, and a program that uses FSDP has imported it before its first backward.
+_FSDP_PARAM_GROUP: type | None = None
+_FSDP1: type | None = None
+
+
+def _fsdp_newly_imported() -> bool:
+    """Whether torch.distributed.fsdp was imported since the last call; if so, its classes are read and their
+    constructors made to recheck, as DDP's are."""
+    global _FSDP_PARAM_GROUP, _FSDP1
+    if _FSDP1 is not None or "torch.distributed.fsdp" not in sys.modules:
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    _FSDP_PARAM_GROUP, _FSDP1 = FSDPParamGroup, FullyShardedDataParallel
+    _recheck_after(FSDPParamGroup, "__init__")
+    _recheck_after(FullyShardedDataParallel, "__init__")
+    return True
+
+
+_recheck_after(torch.nn.parallel.DistributedDataParallel, "__init__")
+_recheck_after(torch.nn.parallel.DistributedDataParallel, "register_comm_hook")
 
 _C.set_lane_group_resolver(_lane_group)
