@@ -74,6 +74,13 @@ def test_current_node_supported_warns_and_works():
     assert supported == torch_ext.is_current_node_supported()
 
 
+def test_collective_checks_warns_and_works():
+    count = _deprecated_call(
+        "torch_ext.collective_checks", "torch_ext.collective_check_count", torch_ext.collective_checks
+    )
+    assert count == torch_ext.collective_check_count()
+
+
 def test_kernels_names_warn_and_work():
     installed = kernels._multi_tensor_kernels() is not None
     with kernels.set_triton_enabled(True):
@@ -88,7 +95,14 @@ def test_kernels_names_warn_and_work():
 
 
 def test_deprecated_names_stay_out_of_all():
-    for name in ("enabled", "auto_collective_priority", "set_auto_collective_priority", "current_node_supported"):
+    for name in (
+        "enabled",
+        "auto_collective_priority",
+        "set_auto_collective_priority",
+        "current_node_supported",
+        "collective_checks",
+        "weight_accumulation_batching",
+    ):
         assert name not in torch_ext.__all__
     for name in ("use_triton", "triton_enabled"):
         assert name not in kernels.__all__

@@ -7,7 +7,8 @@ for and the one it found) when that is not possible; see torch_ext/_loader.py.
 # The names outside __all__ are deprecated, kept for one release (torch_ext._api): each warns, naming its
 # replacement.
 from torch_ext import verify  # the module, callable: torch_ext.verify(step) is torch_ext.verify.verify(step)
-from torch_ext.collective_check import check_collective_order, collective_checks
+from torch_ext.collective_check import check_collective_order, collective_check_count
+from torch_ext.collective_check import collective_checks as collective_checks
 from torch_ext.collectives import collective_role, register_collective_backward, unregister_collective_backward
 from torch_ext.current_node import current_node_supported as current_node_supported
 from torch_ext.current_node import is_current_node_supported
@@ -48,7 +49,7 @@ __all__ = [
     "backward_weight",
     "check_collective_order",
     "clear_priority",
-    "collective_checks",
+    "collective_check_count",
     "collective_role",
     "disable",
     "enable",
