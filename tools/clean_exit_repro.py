@@ -78,7 +78,7 @@ def _rank(case: str, rank: int, port: int, preimport: bool, leave: bool) -> None
             dense = x
             for _ in range(8):
                 dense = torch.tanh(dense @ w)
-            with torch_ext.enabled():
+            with torch_ext.enable():
                 (SyncAllToAll.apply(x @ w).sum() + dense.sum()).backward()
     if case != "stock-no-destroy":
         dist.destroy_process_group()

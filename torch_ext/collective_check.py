@@ -29,7 +29,6 @@ of split backward's passes.
 from __future__ import annotations
 
 import datetime
-import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -38,7 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from torch_ext._api import deprecated
-from torch_ext.collectives import _C
+from torch_ext._loader import _C, switch_on
 
 ENVIRONMENT_VARIABLE = "TORCH_EXT_CHECK_COLLECTIVES"
 
@@ -189,5 +188,5 @@ collective_checks = deprecated(
 )
 
 
-if os.environ.get(ENVIRONMENT_VARIABLE, "0") not in ("", "0"):
+if switch_on(ENVIRONMENT_VARIABLE):
     check_collective_order()

@@ -629,11 +629,13 @@ void raise_if_interrupted() {
   }
 }
 
-std::exception_ptr name_lane_node_in_error(
+std::exception_ptr name_collective_node_in_error(
     std::exception_ptr error,
-    const torch::autograd::Node& fn) {
-  const std::string where =
-      "raised by " + fn.name() + " in its torch_ext collective lane";
+    const torch::autograd::Node& fn,
+    bool in_lane) {
+  const std::string where = "raised by " + fn.name() +
+      (in_lane ? " in its torch_ext collective lane"
+               : ", a collective node, on torch_ext's engine thread");
   try {
     std::rethrow_exception(error);
   } catch (python_error& e) {

@@ -78,12 +78,15 @@ uintptr_t lane_group_key(const torch::autograd::Node& fn);
 // only, so elsewhere this does nothing.
 void raise_if_interrupted();
 
-// Makes an error raised by the lane node `fn` name it: a note on a Python
-// exception (its type and message stay the node's own), context on a
-// c10::Error.
-std::exception_ptr name_lane_node_in_error(
+// Makes an error raised by the collective node `fn` name it and where it ran
+// (its lane, or the engine thread): a note on a Python exception (its type
+// and message stay the node's own), context on a c10::Error. A collective
+// node's error is often the network's (a peer gone, a timeout), which names
+// no node of its own.
+std::exception_ptr name_collective_node_in_error(
     std::exception_ptr error,
-    const torch::autograd::Node& fn);
+    const torch::autograd::Node& fn,
+    bool in_lane);
 
 // The collective order check (torch_ext.check_collective_order): whether it
 // is on, and one call's check. The call's plan fixes, before any node runs,

@@ -438,8 +438,19 @@ std::optional<variable_list> BackwardCall::run_node_action(
         return variable_list(); // what an AccumulateGrad returns
       }
       NarrowedNeedsInputGrad narrowed(fn, plan_.narrows_needs_input_grad);
-      variable_list outputs =
-          call_function(fn, std::move(buffered), keep_graph);
+      variable_list outputs;
+      if (slot.collective || slot.collective_wait) {
+        try {
+          outputs = call_function(fn, std::move(buffered), keep_graph);
+        } catch (...) {
+          std::rethrow_exception(name_collective_node_in_error(
+              std::current_exception(),
+              fn,
+              /*in_lane=*/false));
+        }
+      } else {
+        outputs = call_function(fn, std::move(buffered), keep_graph);
+      }
       if (!keep_graph) {
         fn.release_variables();
       }
@@ -737,7 +748,8 @@ void BackwardCall::finish_lane_node(
       lane_node.trace_event);
   if (error) {
     failed_node_ = &fn;
-    std::rethrow_exception(name_lane_node_in_error(std::move(error), fn));
+    std::rethrow_exception(
+        name_collective_node_in_error(std::move(error), fn, /*in_lane=*/true));
   }
   c10::AutogradState::set_tls_state(task_autograd_state_);
   c10::impl::_force_tls_local_dispatch_key_set(task_dispatch_keys_);

@@ -79,7 +79,7 @@ def _swap_loss(rank: int, all_to_all, swap: bool) -> tuple[torch.Tensor, list]:
 
 def _backward_on_torch_ext(loss: torch.Tensor, leaves: list) -> dict:
     try:
-        with torch_ext.enabled():
+        with torch_ext.enable():
             loss.backward()
         return {"error": None, "grads": [leaf.grad for leaf in leaves]}
     except RuntimeError as error:
@@ -121,7 +121,7 @@ def _run(rank: int) -> dict:
     loss.backward()
     results["stock"] = [leaf.grad for leaf in leaves]
     loss, leaves = _model_loss(rank, None, None)
-    with torch_ext.enabled():
+    with torch_ext.enable():
         loss.backward()
     results["after_errors"] = [leaf.grad for leaf in leaves]
     results["checks"] = torch_ext.collective_check_count()
