@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 from engine_helpers import recsys_like
 
 import torch_ext
+import torch_ext.ops
 
 
 def _traced_order(run) -> list[str]:
@@ -99,3 +101,51 @@ def test_bad_current_node_mode_is_named():
     )
     assert result.returncode != 0
     assert "TORCH_EXT_CURRENT_NODE must be one of ('on', 'off', '1', '0'), got 'sometimes'" in result.stderr
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of this process alone: torch_ext's collective ops run (as an identity) and defer their wait."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def _in_flight_program(post_hook: bool) -> torch.Tensor:
+    """A dense chain made first, then table -> exp -> torch_ext's all_to_all -> a sparse layer. The all_to_all's
+    result is handed over in flight unless something reads it at once; ExpBackward, which reads it, then runs
+    after the dense chain (the late slot), and right after the all_to_all otherwise (it was made later)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    dense = torch.randn(2, 4, requires_grad=True)
+    for _ in range(3):
+        dense = torch.relu(dense @ w)
+    table = torch.randn(2, 4, requires_grad=True)
+    exchanged = torch_ext.ops.all_to_all_single(table.exp(), [2], [2])
+    if post_hook:
+        exchanged.grad_fn.register_hook(lambda grad_inputs, grad_outputs: None)
+    return (torch.tanh(exchanged @ w) * dense).sum()
+
+
+@pytest.mark.parametrize("case", ["in_flight", "post_hook", "anomaly_nan_check", "anomaly_without_nan_check"])
+def test_execution_order_predicts_where_the_executor_waits_on_a_collective(one_rank_group, case):
+    """The cases where the executor declines to hand a collective's result over in flight: execution_order and
+    the run follow one rule (hands_result_in_flight)."""
+    import contextlib
+
+    loss = _in_flight_program(post_hook=case == "post_hook")
+    anomaly = {
+        "anomaly_nan_check": torch.autograd.detect_anomaly(check_nan=True),
+        "anomaly_without_nan_check": torch.autograd.detect_anomaly(check_nan=False),
+    }.get(case, contextlib.nullcontext())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anomaly mode's own warning
+        with anomaly:
+            predicted = [n.name() for n in torch_ext.execution_order(loss)]
+            ran = _traced_order(lambda: torch_ext.backward(loss, retain_graph=True))
+    assert predicted == ran
+    # The cases differ where they should: the late slot only when the result is in flight.
+    waited_inside = case in ("post_hook", "anomaly_nan_check")
+    assert (ran.index("ExpBackward0") < ran.index("ReluBackward0")) == waited_inside, ran

@@ -9,6 +9,7 @@
 #include "bindings/python_split.h"
 #include "collectives/collective_nodes.h"
 #include "engine/backward_request.h"
+#include "engine/plan_cache.h"
 #include "engine/schedule_replay.h"
 #include "engine/trace.h"
 

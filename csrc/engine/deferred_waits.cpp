@@ -8,16 +8,14 @@
 
 #include "engine/backward_call.h"
 #include "engine/running_node.h"
+#include "engine/schedule_replay.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 namespace torch_ext {
 namespace {
-
-using torch::autograd::AnomalyMode;
 
 // Waits on a collective result the way its op's own formula would have:
 // _c10d_functional::wait_tensor (blocks for gloo; on CUDA, makes the current
@@ -66,23 +64,16 @@ bool BackwardCall::defer_wait_to_first_use(const at::Tensor& result) {
     return false;
   }
   // Fake and functional tensors (torch.compile tracing the formula) are not
-  // in flight; post hooks would read the result before any wait.
+  // in flight.
   constexpr c10::DispatchKeySet kTracing(
       {c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
-  if (result.key_set().has_any(kTracing) ||
-      !running->node->post_hooks().empty()) {
-    return false;
-  }
-  // Anomaly mode checks a node's outputs for NaN as soon as it returns, and
-  // a result still in flight cannot be read.
-  if (AnomalyMode::is_enabled() && AnomalyMode::should_check_nan()) {
+  if (result.key_set().has_any(kTracing)) {
     return false;
   }
   BackwardCall& call = *running->call;
-  if (!call.plan_.stock_order_known) {
-    // Waiting later reorders the nodes after it; without stock's delivery
-    // order the sums they feed could change. (Every node the engine
-    // recognises as a collective has it; see schedule_replay.h.)
+  // The rule execution_order() predicts with (schedule_replay.h): the two
+  // checks above are about where the formula runs, not about the node.
+  if (!hands_result_in_flight(call.plan_, *running->node)) {
     return false;
   }
   const int32_t launch_event = call.running_node_event_;

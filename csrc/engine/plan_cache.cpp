@@ -393,6 +393,23 @@ void plan_for_call(
       make_template(plan, key, inputs, priorities));
 }
 
+std::vector<Node*> planned_execution_order(
+    const edge_list& roots,
+    const edge_list& inputs,
+    std::vector<PriorityOverride> priority_overrides) {
+  GraphPlan plan;
+  // As a call plans: stock's delivery order known where the call would know
+  // it, which decides whether a collective hands its result over in flight
+  // (hands_result_in_flight).
+  discover(
+      plan,
+      roots,
+      inputs,
+      /*accumulate_grad=*/false,
+      CallPriorities(std::move(priority_overrides)));
+  return planned_run_order(plan);
+}
+
 void set_plan_cache_enabled(bool enabled) {
   cache_enabled.store(enabled, std::memory_order_relaxed);
 }

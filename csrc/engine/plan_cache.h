@@ -38,6 +38,15 @@ void plan_for_call(
 
 // Whether plan_for_call uses the cache (TORCH_EXT_PLAN_CACHE, on by
 // default). Off, every call discovers its plan and templates are kept.
+// The nodes a torch_ext backward from `roots` would run (grad() semantics
+// with `inputs`, backward() without), in the order it would run them, with
+// `priority_overrides` over the priority table: planned as a call plans
+// (without the cache), then replayed (planned_run_order), nothing run.
+std::vector<Node*> planned_execution_order(
+    const edge_list& roots,
+    const edge_list& inputs,
+    std::vector<PriorityOverride> priority_overrides);
+
 void set_plan_cache_enabled(bool enabled);
 bool plan_cache_enabled();
 // Drops this thread's templates.

@@ -2,6 +2,8 @@
 
 #include "engine/scheduler.h"
 
+#include <torch/csrc/autograd/anomaly_mode.h>
+
 namespace torch_ext {
 
 namespace {
@@ -121,13 +123,20 @@ void order_deliveries_as_stock(GraphPlan& plan, bool every_slot_runs) {
   plan.stock_order_known = true;
 }
 
+bool hands_result_in_flight(const GraphPlan& plan, const Node& fn) {
+  using torch::autograd::AnomalyMode;
+  return plan.stock_order_known && fn.post_hooks().empty() &&
+      !(AnomalyMode::is_enabled() && AnomalyMode::should_check_nan());
+}
+
 std::vector<int32_t> planned_run_slots(const GraphPlan& plan) {
   // A delivery from a node that hands its result over in flight makes its
   // target read that result in flight (BackwardCall::note_pending_delivery).
   std::vector<char> receives_in_flight(plan.slots.size(), 0);
   for (size_t s = 0; s < plan.slots.size(); ++s) {
     const NodeSlot& slot = plan.slots[s];
-    if (!slot.defers_wait || !slot.expanded) {
+    if (!slot.defers_wait || !slot.expanded ||
+        !hands_result_in_flight(plan, *slot.fn)) {
       continue;
     }
     for (size_t i = 0; i < slot.fn->next_edges().size(); ++i) {
@@ -153,20 +162,6 @@ std::vector<Node*> planned_run_order(const GraphPlan& plan) {
     order.push_back(plan.slots[s].fn);
   }
   return order;
-}
-
-std::vector<Node*> planned_execution_order(
-    const edge_list& roots,
-    const edge_list& inputs,
-    std::vector<PriorityOverride> priority_overrides) {
-  GraphPlan plan;
-  discover_graph(
-      plan,
-      roots,
-      inputs,
-      /*accumulate_grad=*/false,
-      CallPriorities(std::move(priority_overrides)));
-  return planned_run_order(plan);
 }
 
 } // namespace torch_ext

@@ -25,6 +25,16 @@ namespace torch_ext {
 // backward's two passes together must sum as one full backward does).
 void order_deliveries_as_stock(GraphPlan& plan, bool every_slot_runs);
 
+// Whether a collective node `fn` of `plan` that can defer its wait
+// (NodeSlot::defers_wait) hands its result over in flight when it runs,
+// rather than waiting inside its own node: the one rule the executor
+// (BackwardCall::defer_wait_to_first_use) and the replay below both follow.
+// It waits inside when its post hooks would read the result, when anomaly
+// mode checks outputs for NaN (a result in flight cannot be read), and when
+// stock's delivery order is unknown (waiting later reorders the nodes after
+// it, whose sums could change).
+bool hands_result_in_flight(const GraphPlan& plan, const Node& fn);
+
 // The nodes torch_ext runs for `plan`, in the order it runs them: each
 // slot's effective priority, and the late key of a node fed by a result in
 // flight (a slot that `defers_wait` delivers to). Replayed from the plan
@@ -33,13 +43,5 @@ std::vector<Node*> planned_run_order(const GraphPlan& plan);
 // The same order, as the plan's slots: what fixes the order of a call's
 // collectives on every rank (BackwardCall's collective sequence).
 std::vector<int32_t> planned_run_slots(const GraphPlan& plan);
-
-// The nodes a torch_ext backward from `roots` would run (grad() semantics
-// with `inputs`, backward() without), in torch_ext's order, with
-// `priority_overrides` over the priority table.
-std::vector<Node*> planned_execution_order(
-    const edge_list& roots,
-    const edge_list& inputs,
-    std::vector<PriorityOverride> priority_overrides);
 
 } // namespace torch_ext
