@@ -171,6 +171,14 @@ void BackwardCall::run(Node* host_node) {
 
   int32_t running = kNoSlot;
   try {
+    const bool checks_order_alone =
+        !uses_lanes() && plan_.has_collectives && collective_check_enabled();
+    if (checks_order_alone) {
+      // Split backward's passes: no sequence to enforce (their kept and
+      // resumed nodes are not replayed by it), but the ranks still compare
+      // the collectives the plan will start, before the first starts.
+      build_collective_sequence();
+    }
     seed();
     const bool traced = trace_ != nullptr;
     if (uses_lanes()) {
@@ -184,12 +192,18 @@ void BackwardCall::run(Node* host_node) {
       // queue's pop (callgrind: +10 instructions per node untraced).
       while (!ready_.empty()) {
         running = ready_.pop();
+        if (order_check_ != nullptr && plan_.slots[running].collective) {
+          order_check_->await();
+        }
         if (traced) {
           execute_node</*kTraced=*/true>(running);
         } else {
           execute_node</*kTraced=*/false>(running);
         }
       }
+    }
+    if (checks_order_alone) {
+      order_check_->await();
     }
     // Collective results no node read (dropped, or delivered to nodes that
     // do not run) still complete before backward returns. A failure here is

@@ -99,6 +99,39 @@ def _swap_cases(rank: int, library: str, all_to_all) -> dict:
     return results
 
 
+def _split_passes(rank: int, swap: bool) -> dict:
+    """Split backward's passes (torch_ext.backward_input, then backward_weight) over dispatch and combine, two
+    same-shaped all_to_alls on the input's path; with ``swap``, started in opposite orders on the two ranks."""
+    torch.manual_seed(0)
+    stage_input = torch.randn(4, 6, requires_grad=True)
+    w1 = torch.randn(6, 6, requires_grad=True)
+    w2 = torch.randn(6, 6, requires_grad=True)
+    dispatch = SyncAllToAll.apply(stage_input @ w1)
+    combine = SyncAllToAll.apply(stage_input.sin() @ w2)
+    loss = (dispatch * 3).sum() + (combine * combine).sum()
+    if swap:
+        first, second = (dispatch, combine) if rank == 0 else (combine, dispatch)
+        torch_ext.set_priority(first, 2)
+        torch_ext.set_priority(second, 1)
+    try:
+        (input_grad,), state = torch_ext.backward_input(loss, None, [stage_input], [w1, w2])
+        weight_grads = torch_ext.backward_weight(state)
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"error": None, "grads": [input_grad, *weight_grads]}
+
+
+def _split_stock() -> list:
+    torch.manual_seed(0)
+    stage_input = torch.randn(4, 6, requires_grad=True)
+    w1 = torch.randn(6, 6, requires_grad=True)
+    w2 = torch.randn(6, 6, requires_grad=True)
+    dispatch = SyncAllToAll.apply(stage_input @ w1)
+    combine = SyncAllToAll.apply(stage_input.sin() @ w2)
+    ((dispatch * 3).sum() + (combine * combine).sum()).backward()
+    return [stage_input.grad, w1.grad, w2.grad]
+
+
 def _run(rank: int) -> dict:
     torch_ext.run_in_lane(SyncAllToAll)
     torch_ext.check_collective_order()
@@ -112,6 +145,9 @@ def _run(rank: int) -> dict:
         (metric * 2).exp().sum().backward()
     results["extra_ops"] = _backward_on_torch_ext(*_model_loss(rank, None, None))
     results.update(_swap_cases(rank, "testing", SyncAllToAll.apply))
+    results["split_stock"] = _split_stock()
+    results["split_swap"] = _split_passes(rank, swap=True)
+    results["split_agree"] = _split_passes(rank, swap=False)
     if HAS_DEEPSPEED:
         all_to_all, function = _deepspeed_all_to_all()
         torch_ext.run_in_lane(function)
@@ -200,4 +236,18 @@ def test_a_swap_of_same_shaped_collectives_raises_on_every_rank(results, library
         after = result[f"{library}_swap_after"]
         assert after["error"] is None, (rank, after["error"])
         for ours, stock in zip(after["grads"], result[f"{library}_swap_stock"], strict=True):
+            assert torch.equal(ours, stock), rank
+
+
+def test_split_backward_passes_are_checked(results):
+    """backward_input's pass starts the swapped all_to_alls (no lane there, but the same check): every rank raises
+    before either starts; agreeing passes give stock's bits."""
+    messages = [result["split_swap"]["error"] for result in results]
+    assert all(message is not None for message in messages), messages
+    assert messages[0] == messages[1]
+    assert "(forward's collective #0)" in messages[0] and "(forward's collective #1)" in messages[0]
+    for rank, result in enumerate(results):
+        agree = result["split_agree"]
+        assert agree["error"] is None, (rank, agree["error"])
+        for ours, stock in zip(agree["grads"], result["split_stock"], strict=True):
             assert torch.equal(ours, stock), rank
