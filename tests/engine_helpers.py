@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import torch_ext
+from torch_ext._loader import _C
+from torch_ext.testing import assert_identical, identity_difference
 
 SEED = 0
 
@@ -43,6 +45,8 @@ class BackwardRecord:
 
     grads: list[torch.Tensor | None]
     log: list[tuple]
+    # How many of the logged nodes torch_ext's engine ran (all of them on torch_ext, none on stock).
+    nodes_on_torch_ext: int = 0
 
     @property
     def order(self) -> list[str]:
@@ -113,11 +117,20 @@ def graph_nodes(roots: Sequence) -> list:
     return nodes
 
 
+def _ran_by_torch_ext() -> bool:
+    """Whether the node running on this thread is run by torch_ext's engine: its call is this thread's running
+    ``BackwardCall``. ``_current_execution_order`` answers only with multithreading off, as stock's
+    ``get_current_graph_task_execution_order`` does; the switch is thread-local and lasts for this question."""
+    with torch.autograd.set_multithreading_enabled(False):
+        return _C._current_execution_order() is not None
+
+
 def _order_hook(position: int, node):
     tag = f"{position}:{node.name()}"
 
     def prehook(grad_outputs):
         _active_log().append(("node", tag))
+        _recording.nodes_on_torch_ext += _ran_by_torch_ext()
 
     return prehook
 
@@ -139,6 +152,7 @@ def run_recorded(build: Callable, backward: Callable, *, grad_tensors=None, reta
     for position, node in enumerate(graph_nodes(roots)):
         node.register_prehook(_order_hook(position, node))
     _recording.log = log
+    _recording.nodes_on_torch_ext = 0
     try:
         for run in range(runs):
             if run:
@@ -146,29 +160,12 @@ def run_recorded(build: Callable, backward: Callable, *, grad_tensors=None, reta
             backward(roots, grad_tensors=_fresh_grads(grad_tensors), retain_graph=retain_graph)
     finally:
         _recording.log = None
-    return BackwardRecord([leaf.grad for leaf in leaves], log)
+    return BackwardRecord([leaf.grad for leaf in leaves], log, _recording.nodes_on_torch_ext)
 
 
 def tensors_identical(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """torch.equal plus dtype, shape and strides; NaNs compare equal to NaNs at the same positions."""
-    if a is None or b is None:
-        return a is None and b is None
-    if (a.dtype, a.shape, a.stride(), a.layout) != (b.dtype, b.shape, b.stride(), b.layout):
-        return False
-    if a.is_floating_point() or a.is_complex():
-        nan_a, nan_b = a.isnan(), b.isnan()
-        if not torch.equal(nan_a, nan_b):
-            return False
-        return torch.equal(a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0))
-    return torch.equal(a, b)
-
-
-def _logs_identical(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and tensors_identical(a, b)
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_logs_identical(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
+    """:func:`torch_ext.testing.assert_identical`'s test, as a bool (for callers outside this package's files)."""
+    return identity_difference(a, b) is None
 
 
 def _describe(event) -> str:
@@ -191,6 +188,9 @@ def assert_backward_matches_stock(
     engine from the same seed, so both get the same values and the same graph. ``ext_backward`` replaces
     ``torch_ext.backward`` (same signature as ``torch.autograd.backward``).
 
+    Last, it asserts that torch_ext's engine ran every node of the torch_ext run (and none of stock's): an
+    ``ext_backward`` that reached stock's engine would otherwise pass every comparison.
+
     Returns stock's record, so a test can check the events it expects really happened.
     """
     ext_backward = ext_backward or torch_ext.backward
@@ -199,14 +199,17 @@ def assert_backward_matches_stock(
     ext = run_recorded(build, ext_backward, **options)
 
     assert stock.order, "no node ran: build() made no graph"
-    assert len(stock.grads) == len(ext.grads)
-    for i, (s, e) in enumerate(zip(stock.grads, ext.grads)):
-        assert tensors_identical(s, e), f"leaf {i}: stock grad\n{s}\ntorch_ext grad\n{e}"
+    assert_identical(ext.grads, stock.grads, "leaf .grad")
     assert ext.order == stock.order, "node execution order differs"
-    assert len(ext.log) == len(stock.log) and all(_logs_identical(s, e) for s, e in zip(stock.log, ext.log)), (
+    assert identity_difference(ext.log, stock.log) is None, (
         "hook call logs differ:\nstock:\n  {}\ntorch_ext:\n  {}".format(
             "\n  ".join(map(_describe, stock.log)), "\n  ".join(map(_describe, ext.log))
         )
+    )
+    assert stock.nodes_on_torch_ext == 0, f"{stock.nodes_on_torch_ext} nodes of the stock run ran on torch_ext"
+    assert ext.nodes_on_torch_ext == len(ext.order), (
+        f"torch_ext's engine did not run the torch_ext run: it ran {ext.nodes_on_torch_ext} of its "
+        f"{len(ext.order)} nodes"
     )
     return stock
 

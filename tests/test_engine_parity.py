@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import assert_backward_matches_stock, assert_same_error, hook, record, tensors_identical
+from engine_helpers import assert_backward_matches_stock, assert_same_error, hook, record
 from torch import nn
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
@@ -22,6 +22,7 @@ from torch.autograd.variable import Variable
 from torch.utils.checkpoint import checkpoint
 
 import torch_ext
+from torch_ext.testing import assert_identical
 
 # The stock C++ engine (torch.autograd's until torch_ext is first used).
 STOCK_ENGINE = torch._C._ImperativeEngine()
@@ -562,7 +563,7 @@ def test_hook_replacing_gradient_reaches_leaf():
     result = assert_backward_matches_stock(node_prehooks)
     torch.manual_seed(0)
     x, w = leaf(3), leaf(3)
-    assert torch.equal(result.grads[0], -(x * w).sin() * 3 * w)
+    assert_identical(result.grads[0], -(x * w).sin() * 3 * w, "x.grad")
 
 
 def test_graph_task_id_is_valid_and_new_per_backward():
@@ -680,8 +681,7 @@ def test_caller_thread_local_state_reaches_nodes_like_stock(context):
         return x.grad, w.grad, seen
 
     stock, ext = run(torch.autograd.backward), run(torch_ext.backward)
-    assert tensors_identical(ext[0], stock[0]) and tensors_identical(ext[1], stock[1])
-    assert ext[2] == stock[2]
+    assert_identical(ext, stock, "x.grad, w.grad, what the prehook saw")
     assert stock[2] == [(context == "autocast_bfloat16", context == "inference_mode", False)]
 
 
@@ -957,7 +957,7 @@ def test_error_keeps_gradients_accumulated_before_it():
         lambda: build_and_fail(torch_ext.backward, ext_leaves),
     )
     assert stock_leaves[0].grad is not None and stock_leaves[1].grad is None
-    assert torch.equal(ext_leaves[0].grad, stock_leaves[0].grad) and ext_leaves[1].grad is None
+    assert_identical([leaf.grad for leaf in ext_leaves], [leaf.grad for leaf in stock_leaves], ".grad")
 
 
 def test_saved_tensors_freed_after_backward_like_stock():
@@ -969,7 +969,7 @@ def test_saved_tensors_freed_after_backward_like_stock():
         return y.grad_fn._saved_other
 
     retained = [build_and_read_saved(bw, True) for bw in (torch.autograd.backward, torch_ext.backward)]
-    assert torch.equal(*retained)
+    assert_identical(retained[1], retained[0], "saved tensor")
     assert_same_error(
         lambda: build_and_read_saved(torch.autograd.backward, False),
         lambda: build_and_read_saved(torch_ext.backward, False),
@@ -1106,7 +1106,8 @@ def test_enable_nests_and_disable_returns_to_stock():
 
 
 def test_helper_detects_mismatches():
-    """The comparison fails when gradients, node order or hook calls differ (it is not a tautology)."""
+    """The comparison fails when gradients, node order or hook calls differ, or when the torch_ext run ran on
+    stock's engine (it is not a tautology)."""
 
     def scaled_grads(roots, grad_tensors=None, retain_graph=None):
         torch.autograd.backward([r * 2 for r in roots], grad_tensors, retain_graph)
@@ -1119,7 +1120,7 @@ def test_helper_detects_mismatches():
         for root, grad in zip(roots, grad_tensors):
             torch.autograd.backward(root, grad, retain_graph)
 
-    with pytest.raises(AssertionError, match="leaf 0"):
+    with pytest.raises(AssertionError, match=r"leaf \.grad\[0\]: 40 of 40 elements differ"):
         assert_backward_matches_stock(mlp_shared_weights, ext_backward=scaled_grads)
     with pytest.raises(AssertionError, match="hook call logs differ"):
         assert_backward_matches_stock(tensor_hooks, ext_backward=extra_hook_call)
@@ -1128,5 +1129,7 @@ def test_helper_detects_mismatches():
         assert_backward_matches_stock(
             lambda: ((leaf(3) * 2, leaf(3) * 3), []), ext_backward=one_root_at_a_time, **two_roots
         )
+    with pytest.raises(AssertionError, match="torch_ext's engine did not run the torch_ext run: it ran 0 of its"):
+        assert_backward_matches_stock(mlp_shared_weights, ext_backward=torch.autograd.backward)
     with pytest.raises(AssertionError, match="messages differ"):
         assert_same_error(lambda: int("x"), lambda: int("y"))

@@ -1,4 +1,8 @@
-"""Models that torch_ext's tests, benchmarks and tools build, in one place.
+"""What torch_ext's tests, benchmarks and tools compare with and build, in one place.
+
+:func:`assert_identical` (and :func:`identity_difference`, its message or None): the one test of "the same result"
+that torch_ext's tests hold the engine to, bit for bit, dtype, shape and strides included, NaNs equal where both hold
+them.
 
 The TorchRec DLRM sharded table-wise over the ranks of the default process group (tests/distributed/test_torchrec.py,
 tests/distributed/test_verify_distributed.py, benchmarks/recsys_torchrec.py). TorchRec is imported only when one is
@@ -8,7 +12,9 @@ tools/clean_exit_repro.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import struct
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -108,3 +114,107 @@ class SyncAllToAll(torch.autograd.Function):
         received = torch.empty_like(grad)
         dist.all_to_all_single(received, grad.contiguous(), group=ctx.group)
         return received
+
+
+# An integer dtype of each floating point element size: a float tensor viewed as it shows its bits.
+_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_differ(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Where two floating point tensors of one dtype and shape hold different bits (-0.0 is not 0.0 here)."""
+    if actual.is_complex():
+        return _bits_differ(torch.view_as_real(actual), torch.view_as_real(expected)).any(-1)
+    bits = _BITS_OF_SIZE[actual.element_size()]
+    return actual.view(bits) != expected.view(bits)
+
+
+def _tensor_difference(actual: torch.Tensor, expected: torch.Tensor, compare_strides: bool) -> str | None:
+    kind, expected_kind = (f"{t.dtype}{list(t.shape)} on {t.device}, {t.layout}" for t in (actual, expected))
+    if kind != expected_kind:
+        return f"{kind} != {expected_kind}"
+    if actual.layout != torch.strided:
+        # Sparse and other layouts: the values they stand for (they have no strides).
+        actual, expected = actual.to_dense(), expected.to_dense()
+    elif compare_strides and actual.stride() != expected.stride():
+        return f"strides {actual.stride()} != {expected.stride()}"
+    if actual.is_floating_point() or actual.is_complex():
+        # NaNs are equal where both hold them, whatever their payload; every other element is compared by its bits.
+        nan_actual, nan_expected = actual.isnan(), expected.isnan()
+        differ = (nan_actual != nan_expected) | (~nan_actual & ~nan_expected & _bits_differ(actual, expected))
+    else:
+        differ = actual != expected
+    if not differ.any():
+        return None
+    positions = differ.nonzero()
+    first = tuple(positions[0].tolist())
+    message = (
+        f"{len(positions)} of {actual.numel()} elements differ, first at {list(first)}: "
+        f"{actual[first].item()!r} != {expected[first].item()!r}"
+    )
+    if actual.is_floating_point():
+        finite = ~(actual.isnan() | expected.isnan())
+        if finite.any():
+            message += (
+                f"; max abs difference {(actual[finite].double() - expected[finite].double()).abs().max().item()}"
+            )
+    return message
+
+
+def _float_bits(value: float) -> bytes:
+    return b"nan" if math.isnan(value) else struct.pack("<d", value)
+
+
+def identity_difference(actual, expected, *, compare_strides: bool = True) -> str | None:
+    """None if ``actual`` is identical to ``expected`` (as :func:`assert_identical` says), else where and how the
+    first difference lies: ``"[1]['w']: strides (1, 3) != (3, 1)"``."""
+    if isinstance(expected, Mapping) or isinstance(actual, Mapping):
+        if not (isinstance(expected, Mapping) and isinstance(actual, Mapping)):
+            return f": {type(actual).__name__} != {type(expected).__name__}"
+        if actual.keys() != expected.keys():
+            missing, extra = expected.keys() - actual.keys(), actual.keys() - expected.keys()
+            return f": keys differ, missing {sorted(map(repr, missing))}, extra {sorted(map(repr, extra))}"
+        for key, value in expected.items():
+            difference = identity_difference(actual[key], value, compare_strides=compare_strides)
+            if difference is not None:
+                return f"[{key!r}]{difference}"
+        return None
+    if isinstance(expected, (list, tuple)) or isinstance(actual, (list, tuple)):
+        if type(actual) is not type(expected):
+            return f": {type(actual).__name__} != {type(expected).__name__}"
+        if len(actual) != len(expected):
+            return f": length {len(actual)} != {len(expected)}"
+        for index, (ours, theirs) in enumerate(zip(actual, expected)):
+            difference = identity_difference(ours, theirs, compare_strides=compare_strides)
+            if difference is not None:
+                return f"[{index}]{difference}"
+        return None
+    if isinstance(expected, torch.Tensor) or isinstance(actual, torch.Tensor):
+        if not (isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor)):
+            return f": {type(actual).__name__} != {type(expected).__name__}"
+        difference = _tensor_difference(actual, expected, compare_strides)
+        return None if difference is None else f": {difference}"
+    if type(actual) is not type(expected):
+        return f": {type(actual).__name__} {actual!r} != {type(expected).__name__} {expected!r}"
+    if isinstance(expected, float):
+        same = _float_bits(actual) == _float_bits(expected)
+    else:
+        same = actual == expected
+    return None if same else f": {actual!r} != {expected!r}"
+
+
+def assert_identical(actual, expected, where: str = "", *, compare_strides: bool = True) -> None:
+    """Asserts ``actual`` is bit for bit ``expected``: what torch_ext's tests mean by "stock's result".
+
+    - Tensors: the same dtype, shape, device, layout and strides, and the same bits in every element, but that NaNs
+      count as equal to NaNs in the same places, whatever their payload (``torch.equal`` says NaN != NaN, and
+      -0.0 == 0.0, which this does not). Sparse and other non-strided layouts compare their dense values.
+      ``compare_strides=False`` leaves strides out: only for a layout stock itself does not fix, and the caller says
+      why where it passes it.
+    - None equals None only; lists and tuples are the same type and length, element by element; mappings have the
+      same keys, value by value; anything else is the same type and ``==`` (floats by their bits, NaN equal to NaN).
+
+    The message names ``where`` and the path to the first difference: ``"rank 0['grads'][1]: strides ..."``.
+    """
+    difference = identity_difference(actual, expected, compare_strides=compare_strides)
+    if difference is not None:
+        raise AssertionError(f"{where or 'result'}{difference}")
