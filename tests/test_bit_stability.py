@@ -4,8 +4,8 @@ A node's input buffer adds the gradients reaching it in arrival order, and float
 not associative. Two gradients commute (``a + b == b + a`` exactly), but from three on, running the
 producers in another order (priorities, ``launch_first``, a collective's deferred wait) changes the last
 bits unless the engine adds them in the order stock's engine would have delivered them (docs/design.md, "Bits
-under any order"). Every check here is torch.equal against stock PyTorch on the same graph, never a
-tolerance:
+under any order"). Every check here is ``torch_ext.testing.assert_identical`` against stock PyTorch on the same
+graph (bits and strides), never a tolerance:
 
 - random float64 graphs whose values feed three or more ops, with random priorities: leaf ``.grad``,
   ``retain_grad()`` values, ``grad()`` results and what tensor hooks see;
@@ -28,12 +28,12 @@ from engine_helpers import (
     graph_nodes,
     programs,
     run_recorded,
-    tensors_identical,
 )
 from hypothesis import given
 from hypothesis import strategies as st
 
 import torch_ext
+from torch_ext.testing import assert_identical
 
 # ---------------------------------------------------------------------------------------------------------------
 # a. Random graphs with random priorities.
@@ -68,28 +68,9 @@ def _apply(priorities: list[Priority], roots) -> dict:
     return per_call
 
 
-def _difference(stock, ours) -> str | None:
-    """None if the tensors (or tuples of them, as hooks saw them) hold the same bits, else how they differ."""
-    if isinstance(stock, tuple):
-        differences = [_difference(s, e) for s, e in zip(stock, ours, strict=True)]
-        return next((f"[{i}] {d}" for i, d in enumerate(differences) if d is not None), None)
-    if stock is None or ours is None or (stock.dtype, stock.shape) != (ours.dtype, ours.shape):
-        return None if stock is None and ours is None else f"stock {stock!r}, torch_ext {ours!r}"
-    # The values, bit for bit (NaNs where stock has them); the layout is test_two_producers_keep_stock_layout's.
-    if tensors_identical(stock.contiguous(), ours.contiguous()):
-        return None
-    return f"values differ by up to {(stock - ours).abs().max().item()}:\nstock\n{stock}\ntorch_ext\n{ours}"
-
-
 def _assert_same_bits(stock: BackwardRecord, ext: BackwardRecord) -> None:
-    for i, (s, e) in enumerate(zip(stock.grads, ext.grads, strict=True)):
-        difference = _difference(s, e)
-        assert difference is None, f".grad {i} (leaves, then retained values): {difference}"
-    stock_hooks, ext_hooks = stock.hook_values, ext.hook_values
-    assert ext_hooks.keys() == stock_hooks.keys()
-    for label, seen in stock_hooks.items():
-        difference = _difference(tuple(seen), tuple(ext_hooks[label]))
-        assert difference is None, f"hook on {label}, call {difference}"
+    assert_identical(ext.grads, stock.grads, ".grad (leaves, then retained values)")
+    assert_identical(ext.hook_values, stock.hook_values, "what the hooks saw")
 
 
 def _run_backward(program, priorities: list[Priority] | None) -> BackwardRecord:
@@ -154,9 +135,7 @@ def test_random_priorities_keep_grad_bits(drawn_priorities, program, data):
     priorities = data.draw(drawn_priorities)
     stock_results, stock = _run_grad(program, None)
     ext_results, ext = _run_grad(program, priorities)
-    for run, (s_run, e_run) in enumerate(zip(stock_results, ext_results, strict=True)):
-        difference = _difference(tuple(s_run), tuple(e_run))
-        assert difference is None, f"run {run}, grad() result {difference}"
+    assert_identical(ext_results, stock_results, "grad() results of each run")
     _assert_same_bits(stock, ext)
 
 
@@ -239,10 +218,8 @@ def test_collective_programs_keep_stock_bits(one_rank_group, branches, launch_fi
     # The premise: torch_ext ran the producers into h's buffer in another order (the collectives first).
     assert our_order != stock_order
     # torch_ext's op on the stock engine is PyTorch's functional collective, bit for bit.
-    for s, f in zip(stock, functional, strict=True):
-        assert torch.equal(s, f)
-    for i, (s, e) in enumerate(zip(stock, ours, strict=True)):
-        assert torch.equal(s, e), f"gradient {i} (x, then weights): max abs diff {(s - e).abs().max().item()}"
+    assert_identical(functional, stock, "functional collective's gradients (x, then weights)")
+    assert_identical(ours, stock, "gradients (x, then weights)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,8 +296,7 @@ def test_priority_over_producers_into_one_buffer(producers, prioritise, entry):
     in_stock_order = _sum_in_order(coefficients, stock_order)
     assert (_sum_in_order(coefficients, our_order) != in_stock_order) == (producers > 2)
     assert torch.all(stock["hook on h"] == in_stock_order)
-    for key, expected in stock.items():
-        assert torch.equal(ours[key], expected), f"{key} is {ours[key].tolist()}, stock's {expected.tolist()}"
+    assert_identical(ours, stock)
 
 
 def _two_producers(engine: str) -> dict:
@@ -347,8 +323,4 @@ def test_two_producers_keep_stock_layout():
     torch.manual_seed(0)
     ours = _two_producers("torch_ext")
     assert stock["hook on h"].stride() == (1, 3)  # the premise: stock kept the first arrival's layout
-    for key, expected in stock.items():
-        assert torch.equal(ours[key], expected), key
-        assert ours[key].stride() == expected.stride(), (
-            f"{key}: strides {ours[key].stride()}, stock's {expected.stride()}"
-        )
+    assert_identical(ours, stock)
