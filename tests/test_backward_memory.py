@@ -2,11 +2,12 @@
 
 torch_ext's engine releases a gradient as soon as its last reader has run (an input buffer when its
 node has run, a node's outputs once delivered), so no graph should need more memory under it than
-under stock's engine. Every graph here is built twice from the same seed, and one engine call runs on
-each copy: ``torch.autograd.backward``/``grad`` (stock) and ``torch_ext.backward``/``grad``. Asserted
-per graph: torch_ext's peak is at most stock's, and the gradients are torch.equal; the same for the
-third call of a structure, which replays the plan torch_ext cached from the first two. Two graphs given
-a priority exceed stock's peak by one gradient (EXCEEDS_STOCK, marked xfail with the figures).
+under stock's engine. Every graph (benchmarks/backward_memory.py's) is built twice from the same seed,
+and one engine call runs on each copy: ``torch.autograd.backward``/``grad`` (stock) and
+``torch_ext.backward``/``grad``. Asserted per graph: torch_ext's peak is at most stock's, and the
+gradients are torch.equal; the same for the third call of a structure, which replays the plan torch_ext
+cached from the first two. Two graphs given a priority exceed stock's peak by one gradient
+(EXCEEDS_STOCK, marked xfail with the figures).
 
 Method (torch_ext/memory.py): the CPU allocator's running total of live bytes, reported to the memory
 profiler at every allocation and free from every thread; the graph is built under the tracker so the
@@ -19,140 +20,20 @@ are exact byte counts and repeat run to run (checked below).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import pytest
 import torch
-from torch import nn
 
 import torch_ext
-from torch_ext import _C
+from torch_ext import _C, bench
 from torch_ext.memory import PeakMemory
 
-# A structure's plan is kept from its second call on: the third call is the first replay.
-FIRST_REPLAY = 3
-# Any positive priority reorders; 10 as in the issue's example.
-PRIORITY = 10
+# The graphs, the two engines and the measurement are the benchmark's (benchmarks/backward_memory.py).
+backward_memory = bench.benchmark_module("backward_memory")
+FIRST_REPLAY, PRIORITY = backward_memory.FIRST_REPLAY, backward_memory.PRIORITY
+STOCK, TORCH_EXT = backward_memory.STOCK, backward_memory.TORCH_EXT
+measure, same_gradients = backward_memory.measure, backward_memory.same_gradients
+GRAPHS = {name: case.build for name, case in backward_memory.GRAPHS.items()}
 
-MLP_DEPTH = 8
-MLP_WIDTH = 512
-MLP_BATCH = 64
-FAN_IN_BRANCHES = 64
-FAN_IN_NUMEL = 4096
-CHAIN_NUMEL = 1 << 20
-CHAIN_OPS = 50
-REUSED_NUMEL = 1 << 20
-
-
-@dataclasses.dataclass
-class Graph:
-    loss: torch.Tensor
-    # Whose .grad backward() fills and the test compares.
-    leaves: list[torch.Tensor]
-    # grad(loss, grad_inputs) instead of backward(loss) when set.
-    grad_inputs: list[torch.Tensor] | None = None
-    # torch_ext's call is given priorities={priority_target: PRIORITY}; stock has no such argument.
-    priority_target: torch.Tensor | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Engine:
-    name: str
-    backward: Callable
-    grad: Callable
-    takes_priorities: bool
-
-
-STOCK = Engine("stock", torch.autograd.backward, torch.autograd.grad, takes_priorities=False)
-TORCH_EXT = Engine("torch_ext", torch_ext.backward, torch_ext.grad, takes_priorities=True)
-
-
-def deep_mlp() -> Graph:
-    blocks = [(nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.GELU()) for _ in range(MLP_DEPTH)]
-    model = nn.Sequential(*[module for block in blocks for module in block])
-    x = torch.randn(MLP_BATCH, MLP_WIDTH, requires_grad=True)
-    return Graph(model(x).sum(), leaves=[*model.parameters(), x])
-
-
-def deep_mlp_grad_of_input() -> Graph:
-    graph = deep_mlp()
-    graph.grad_inputs = [graph.leaves[-1]]
-    return graph
-
-
-def fan_in(prioritized_branch: int | None = None) -> Graph:
-    """One leaf, many branches: the leaf's input buffer sums FAN_IN_BRANCHES gradients."""
-    x = torch.randn(FAN_IN_NUMEL, requires_grad=True)
-    # Distinct factors: the sum's bits depend on the order the branches are added in.
-    factors = torch.randn(FAN_IN_BRANCHES)
-    branches = [x * factors[i] for i in range(FAN_IN_BRANCHES)]
-    target = None if prioritized_branch is None else branches[prioritized_branch]
-    return Graph(torch.stack(branches).sum(), leaves=[x], priority_target=target)
-
-
-def elementwise_chain() -> Graph:
-    """mul/add/sin in turn: add saves nothing, mul a scalar, sin its input (freed when its node runs)."""
-    x = torch.randn(CHAIN_NUMEL, requires_grad=True)
-    h = x
-    for i in range(CHAIN_OPS):
-        h = (h * 1.0001) if i % 3 == 0 else (h + 0.001) if i % 3 == 1 else h.sin()
-    return Graph(h.sum(), leaves=[x])
-
-
-def reused_intermediate(prioritized: str | None = None) -> Graph:
-    """``h`` feeds three ops: its input buffer sums three gradients before SinBackward0 reads it."""
-    x = torch.randn(REUSED_NUMEL, requires_grad=True)
-    h = x.sin()
-    readers = {"exp": (h * 2).exp(), "cos": h.cos(), "tanh": h.tanh()}
-    loss = (readers["exp"] + readers["cos"] + readers["tanh"]).sum()
-    target = None if prioritized is None else readers[prioritized]
-    return Graph(loss, leaves=[x], priority_target=target)
-
-
-def run_engine(engine: Engine, graph: Graph) -> list[torch.Tensor]:
-    kwargs = {}
-    if engine.takes_priorities and graph.priority_target is not None:
-        kwargs["priorities"] = {graph.priority_target: PRIORITY}
-    if graph.grad_inputs is not None:
-        return list(engine.grad(graph.loss, graph.grad_inputs, **kwargs))
-    engine.backward(graph.loss, **kwargs)
-    return [leaf.grad for leaf in graph.leaves]
-
-
-@dataclasses.dataclass(frozen=True)
-class Measured:
-    peak_bytes: int
-    gradients: list[torch.Tensor]
-
-
-def measure(build: Callable[[], Graph], engine: Engine) -> Measured:
-    """Builds a graph (seeded) and runs one engine call on it, both under the memory tracker."""
-    with PeakMemory() as memory:
-        torch.manual_seed(0)
-        graph = build()
-        with memory.region():
-            gradients = run_engine(engine, graph)
-    return Measured(memory.peak_bytes, gradients)
-
-
-def _assert_equal_gradients(stock: Measured, ours: Measured) -> None:
-    assert len(stock.gradients) == len(ours.gradients)
-    for expected, got in zip(stock.gradients, ours.gradients, strict=True):
-        assert torch.equal(expected, got)
-
-
-GRAPHS: dict[str, Callable[[], Graph]] = {
-    "deep_mlp": deep_mlp,
-    "deep_mlp_grad_of_input": deep_mlp_grad_of_input,
-    "fan_in": fan_in,
-    "elementwise_chain": elementwise_chain,
-    "reused_intermediate": reused_intermediate,
-    # Reorders (TanhBackward0 runs before the inner AddBackward0) at no cost in memory.
-    "reused_intermediate_priority_tanh": lambda: reused_intermediate("tanh"),
-    "reused_intermediate_priority_exp": lambda: reused_intermediate("exp"),
-    "fan_in_priority_branch_0": lambda: fan_in(prioritized_branch=0),
-}
 # Graphs whose torch_ext peak exceeds stock's, with the measured figures: both come from a priority,
 # through the order it asks for, or through summing in stock's order despite it.
 EXCEEDS_STOCK = {
@@ -203,7 +84,7 @@ def fresh_plan_cache():
 def test_peak_is_at_most_stocks(build):
     stock = measure(build, STOCK)
     ours = measure(build, TORCH_EXT)
-    _assert_equal_gradients(stock, ours)
+    assert same_gradients(stock, ours)
     assert ours.peak_bytes <= stock.peak_bytes, (ours.peak_bytes, stock.peak_bytes)
 
 
@@ -215,7 +96,7 @@ def test_replayed_plan_peak_is_at_most_stocks(build):
         ours = measure(build, TORCH_EXT)
         replayed = _C._plan_cache_stats(False)["hits"] > hits
         assert replayed == (call == FIRST_REPLAY), call
-        _assert_equal_gradients(stock, ours)
+        assert same_gradients(stock, ours)
         assert ours.peak_bytes <= stock.peak_bytes, (call, ours.peak_bytes, stock.peak_bytes)
 
 
