@@ -34,12 +34,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from engine_helpers import graph_nodes, tensors_identical
+from engine_helpers import graph_nodes
 from torch.autograd import Function
 from torch.autograd.variable import Variable
 from torch.utils.checkpoint import checkpoint
 
 import torch_ext
+from torch_ext.testing import assert_identical
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -101,22 +102,6 @@ class DelayedMultiply(Function):
         return grad * ctx.factor, None, None
 
 
-def assert_identical(stock, ext, where: str = "result") -> None:
-    """Same structure; tensors bitwise equal (tensors_identical); streams and everything else equal."""
-    if isinstance(stock, dict):
-        assert isinstance(ext, dict) and stock.keys() == ext.keys(), where
-        for key in stock:
-            assert_identical(stock[key], ext[key], f"{where}[{key!r}]")
-    elif isinstance(stock, (list, tuple)):
-        assert type(stock) is type(ext) and len(stock) == len(ext), f"{where}: {stock!r} vs {ext!r}"
-        for i, (s, e) in enumerate(zip(stock, ext)):
-            assert_identical(s, e, f"{where}[{i}]")
-    elif isinstance(stock, torch.Tensor) or isinstance(ext, torch.Tensor):
-        assert tensors_identical(stock, ext), f"{where}: stock\n{stock}\ntorch_ext\n{ext}"
-    else:
-        assert stock == ext, f"{where}: stock {stock!r}, torch_ext {ext!r}"
-
-
 def run_on_both(scenario: Callable[[Engine, float], dict]) -> dict[str, dict]:
     """``scenario(engine, scale)`` on torch_ext, then on stock, from the same seed with the same new scale;
     asserts the two results are identical and returns them by engine name.
@@ -130,7 +115,7 @@ def run_on_both(scenario: Callable[[Engine, float], dict]) -> dict[str, dict]:
         torch.cuda.synchronize()
         results[engine.name] = scenario(engine, scale)
         torch.cuda.synchronize()
-    assert_identical(results["stock"], results["torch_ext"])
+    assert_identical(results["torch_ext"], results["stock"], "torch_ext's result")
     return results
 
 
@@ -599,6 +584,6 @@ def test_lane_node_runs_on_a_side_stream_and_its_readers_wait_for_it():
     finally:
         torch_ext.unregister_collective_backward(_SideStreamExchange)
     torch.cuda.synchronize()
-    assert all(tensors_identical(a, e) for a, e in zip(actual, expected, strict=True))
+    assert_identical(actual, expected, "x.grad, w.grad")
     stock_stream, lane_stream = _side_stream_exchange_streams
     assert lane_stream != stock_stream

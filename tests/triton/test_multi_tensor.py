@@ -2,7 +2,7 @@
 and compiled for a GPU without one.
 
 The kernels and references do the same fp32 operations in the same order (the interpreter does not fuse
-multiply-adds, and GPU launches turn fusion off), so results are compared bit for bit. The interpreter's
+multiply-adds, and GPU launches turn fusion off), so results are compared bit for bit (assert_identical). The interpreter's
 cost is per program, so tensors are small and BLOCK is large enough for one program per tensor except the
 one spanning blocks.
 """
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torch_ext.kernels
+from torch_ext.testing import assert_identical
 from triton_kernels import multi_tensor_ref as ref
 
 pytestmark = pytest.mark.triton
@@ -25,11 +26,6 @@ def randn_list(dtype, shapes=SHAPES):
     return [torch.randn(shape).to(dtype) for shape in shapes]
 
 
-def assert_same_bits(actual, expected):
-    for a, e in zip(actual, expected, strict=True):
-        torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
-
-
 @pytest.mark.parametrize("alpha", [1.0, -0.3])
 @pytest.mark.parametrize("dst_dtype, src_dtype", [(FP32, FP32), (FP16, FP16), (BF16, BF16), (FP32, BF16), (BF16, FP32)])
 def test_accumulate_matches_reference(multi_tensor, dst_dtype, src_dtype, alpha):
@@ -37,14 +33,14 @@ def test_accumulate_matches_reference(multi_tensor, dst_dtype, src_dtype, alpha)
     expected = [d.clone() for d in dsts]
     ref.accumulate_ref_(expected, srcs, alpha)
     multi_tensor.accumulate_(dsts, srcs, alpha, block_size=BLOCK)
-    assert_same_bits(dsts, expected)
+    assert_identical(dsts, expected)
 
 
 @pytest.mark.parametrize("n_inputs", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [FP32, FP16, BF16])
 def test_sum_n_matches_reference(multi_tensor, dtype, n_inputs):
     tensors = randn_list(dtype, [(7, 273)] * n_inputs)
-    assert_same_bits([multi_tensor.sum_n(tensors, block_size=BLOCK)], [ref.sum_n_ref(tensors)])
+    assert_identical([multi_tensor.sum_n(tensors, block_size=BLOCK)], [ref.sum_n_ref(tensors)])
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.125, -3.7])
@@ -54,13 +50,13 @@ def test_sum_n_matches_reference(multi_tensor, dtype, n_inputs):
 def test_pack_matches_reference(multi_tensor, src_dtype, flat_dtype, scale):
     tensors = randn_list(src_dtype)
     actual = multi_tensor.pack(tensors, scale, flat_dtype, block_size=BLOCK)
-    assert_same_bits([actual], [ref.pack_ref(tensors, scale, flat_dtype)])
+    assert_identical([actual], [ref.pack_ref(tensors, scale, flat_dtype)])
 
 
 def test_pack_of_mixed_dtypes_matches_reference(multi_tensor):
     tensors = [torch.randn(123).to(dtype) for dtype in (FP32, BF16, FP16, FP32)]
     actual = multi_tensor.pack(tensors, 0.5, FP16, block_size=BLOCK)
-    assert_same_bits([actual], [ref.pack_ref(tensors, 0.5, FP16)])
+    assert_identical([actual], [ref.pack_ref(tensors, 0.5, FP16)])
 
 
 @pytest.mark.parametrize("scale", [1.0, -3.7])
@@ -73,14 +69,14 @@ def test_unpack_matches_reference(multi_tensor, flat_dtype, out_dtype, scale):
     expected = [torch.empty_like(o) for o in outs]
     ref.unpack_ref_(flat, expected, scale)
     multi_tensor.unpack_(flat, outs, scale, block_size=BLOCK)
-    assert_same_bits(outs, expected)
+    assert_identical(outs, expected)
 
 
 def test_unpack_undoes_pack(multi_tensor):
     tensors = randn_list(FP32)
     outs = [torch.empty_like(t) for t in tensors]
     multi_tensor.unpack_(multi_tensor.pack(tensors, 4.0, block_size=BLOCK), outs, 0.25, block_size=BLOCK)
-    assert_same_bits(outs, tensors)
+    assert_identical(outs, tensors)
 
 
 def test_default_block_size(multi_tensor):
@@ -89,7 +85,7 @@ def test_default_block_size(multi_tensor):
     expected = [d.clone() for d in dsts]
     ref.accumulate_ref_(expected, srcs, 1.0)
     multi_tensor.accumulate_(dsts, srcs)
-    assert_same_bits(dsts, expected)
+    assert_identical(dsts, expected)
 
 
 def _fp32_from_bits(bits):
@@ -103,7 +99,7 @@ def test_bf16_rounding_is_torchs(multi_tensor):
         [0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F7FFF, 0x00000001, 0x00018000, 0x80000000]
         + [0x7F800000, 0xFF800000]
     )
-    assert_same_bits([multi_tensor.pack([values], dtype=BF16, block_size=BLOCK)], [values.to(BF16)])
+    assert_identical([multi_tensor.pack([values], dtype=BF16, block_size=BLOCK)], [values.to(BF16)])
 
 
 # The interpreter computes with numpy, which warns about NaN operands.
@@ -184,12 +180,12 @@ def test_device_path_handles_many_tensors_in_one_launch(device_path):
     expected = [d.clone() for d in dsts]
     ref.accumulate_ref_(expected, srcs, 1.0)
     torch_ext.kernels._multi_tensor_accumulate_on_device(dsts, srcs)
-    assert_same_bits(dsts, expected)
+    assert_identical(dsts, expected)
 
     flat = torch.randn(sum(d.numel() for d in dsts)).to(BF16)
     ref.unpack_ref_(flat, expected, 4.0)
     torch_ext.kernels._unpack_on_device(flat, dsts, 4.0)
-    assert_same_bits(dsts, expected)
+    assert_identical(dsts, expected)
     assert device_path == [1, 2]  # unpack: the pieces of flat at 16-byte multiples, and the others
 
 
@@ -200,19 +196,20 @@ def test_device_path_routes_non_contiguous_tensors(device_path):
     expected = [d.clone() for d in dsts]
     ref.accumulate_ref_(expected, srcs, -0.3)
     torch_ext.kernels._multi_tensor_accumulate_on_device(dsts, srcs, -0.3)
-    assert_same_bits(dsts, expected)
+    assert_identical(dsts, expected)
 
     tensors = [srcs[0], torch.randn(4).to(BF16), srcs[2]]
-    assert_same_bits([torch_ext.kernels._pack_on_device(tensors, 2.0, FP32)], [ref.pack_ref(tensors, 2.0, FP32)])
+    assert_identical([torch_ext.kernels._pack_on_device(tensors, 2.0, FP32)], [ref.pack_ref(tensors, 2.0, FP32)])
     summands = [srcs[0], torch.randn(5, 3).to(BF16), dsts[0]]
-    assert_same_bits([torch_ext.kernels._sum_n_on_device(summands)], [ref.sum_n_ref(summands)])
+    assert_identical([torch_ext.kernels._sum_n_on_device(summands)], [ref.sum_n_ref(summands)])
 
     outs = [torch.empty(3, 4), torch.empty(5, 6)[:, ::2], torch.empty(2, 0), torch.empty(7)]
     flat = torch.randn(12 + 15 + 7).to(BF16)
-    expected = [torch.empty_like(o) for o in outs]
+    # In the outputs' own layouts (empty_like would make the strided one contiguous): unpacking writes in place.
+    expected = [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype) for o in outs]
     ref.unpack_ref_(flat, expected, 0.5)
     torch_ext.kernels._unpack_on_device(flat, outs, 0.5)
-    assert_same_bits(outs, expected)
+    assert_identical(outs, expected)
     assert len(device_path) == 4  # each call launched (the contiguous tensors), split at most by alignment
 
 
@@ -224,7 +221,7 @@ def test_device_path_switch_runs_the_reference(device_path):
         torch_ext.kernels._multi_tensor_accumulate_on_device(dsts, srcs)
         torch_ext.kernels._pack_on_device(srcs)
     assert device_path == []
-    assert_same_bits(dsts, expected)
+    assert_identical(dsts, expected)
 
 
 def test_device_path_under_compile_decomposes_into_the_reference(device_path):
@@ -237,7 +234,7 @@ def test_device_path_under_compile_decomposes_into_the_reference(device_path):
     expected_dsts = [d.clone() for d in dsts]
     ref.accumulate_ref_(expected_dsts, srcs, 0.5)
     flat = torch.compile(step, fullgraph=True, backend="aot_eager")(dsts, srcs)
-    assert_same_bits(dsts + [flat], expected_dsts + [ref.pack_ref(srcs, 2.0)])
+    assert_identical(dsts + [flat], expected_dsts + [ref.pack_ref(srcs, 2.0)])
     assert device_path == []
 
 
