@@ -61,6 +61,17 @@ def _deepspeed_all_to_all():
     return (lambda t: _AllToAll.apply(dist.group.WORLD, t)), _AllToAll
 
 
+def _torch_ext_all_to_all(t: torch.Tensor) -> torch.Tensor:
+    return torch_ext.ops.all_to_all_single(t, [2, 2], [2, 2])
+
+
+def _functional_all_to_all(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_to_all_single_autograd(t, [2, 2], [2, 2], dist.group.WORLD)
+
+
 def _swap_loss(rank: int, all_to_all, swap: bool) -> tuple[torch.Tensor, list]:
     """Dispatch and combine, two all_to_alls of one shape with different gradients; with ``swap``, priorities
     (below the automatic collective priority) make rank 0 start dispatch's first and rank 1 combine's."""
@@ -72,9 +83,16 @@ def _swap_loss(rank: int, all_to_all, swap: bool) -> tuple[torch.Tensor, list]:
     loss = (dispatch * 3).sum() + (combine * combine).sum()
     if swap:
         first, second = (dispatch, combine) if rank == 0 else (combine, dispatch)
-        torch_ext.set_priority(first, 2)
-        torch_ext.set_priority(second, 1)
+        torch_ext.set_priority(_collective_node(first), 2)
+        torch_ext.set_priority(_collective_node(second), 1)
     return loss, [x, y]
+
+
+def _collective_node(t: torch.Tensor):
+    """The node that issues ``t``'s backward collective: its grad_fn, or, for a functional collective, the node
+    under the wrapper that waits in forward."""
+    node = t.grad_fn
+    return node.next_functions[0][0] if "_wrap_tensor_autograd" in node.name() else node
 
 
 def _backward_on_torch_ext(loss: torch.Tensor, leaves: list) -> dict:
@@ -145,6 +163,10 @@ def _run(rank: int) -> dict:
         (metric * 2).exp().sum().backward()
     results["extra_ops"] = _backward_on_torch_ext(*_model_loss(rank, None, None))
     results.update(_swap_cases(rank, "testing", SyncAllToAll.apply))
+    # torch_ext's own op (launched on the engine thread, its wait deferred) and PyTorch's functional collective
+    # (waited on inside its node): both started by the engine thread, which awaits the check first.
+    results.update(_swap_cases(rank, "torch_ext_op", _torch_ext_all_to_all))
+    results.update(_swap_cases(rank, "funcol", _functional_all_to_all))
     results["split_stock"] = _split_stock()
     results["split_swap"] = _split_passes(rank, swap=True)
     results["split_agree"] = _split_passes(rank, swap=False)
@@ -203,6 +225,8 @@ def test_the_engine_runs_again_after_a_mismatch(results):
 
 SWAP_LIBRARIES = [
     "testing",
+    "torch_ext_op",
+    "funcol",
     pytest.param(
         "deepspeed",
         marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (the [test] extra has it)"),
