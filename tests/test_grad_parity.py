@@ -8,22 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import torch_ext
-
-
-def assert_same(stock, ext):
-    """Equal structure, None where stock has None, torch.equal tensors."""
-    if isinstance(stock, (tuple, list)):
-        assert type(stock) is type(ext) and len(stock) == len(ext)
-        for s, e in zip(stock, ext):
-            assert_same(s, e)
-    elif isinstance(stock, dict):
-        assert stock.keys() == ext.keys()
-        for key in stock:
-            assert_same(stock[key], ext[key])
-    elif stock is None:
-        assert ext is None
-    else:
-        assert torch.equal(stock, ext), (stock, ext)
+from torch_ext.testing import assert_identical
 
 
 def mlp(seed=0, width=16, depth=3):
@@ -73,7 +58,7 @@ def test_grad_matches_stock_and_writes_no_grad(select):
 
     (stock, stock_leaf_grads), (ext, ext_leaf_grads) = both(run)
     assert stock_leaf_grads == [None] * 4
-    assert_same(stock, ext)
+    assert_identical(ext, stock)
     assert ext_leaf_grads == [None] * 4
 
 
@@ -97,7 +82,8 @@ def test_grad_of_intermediate_and_gradient_edge():
         edge = torch.autograd.graph.get_gradient_edge(mid)
         return GRAD[engine](out, (mid, edge, a), retain_graph=True)
 
-    assert_same(*both(run))
+    stock, ext = both(run)
+    assert_identical(ext, stock)
 
 
 @pytest.mark.parametrize("create_graph", [False, True])
@@ -110,8 +96,8 @@ def test_backward_inputs_accumulates_only_into_inputs(create_graph):
         return [w.grad for w in ws] + [x.grad]
 
     stock, ext = both(run)
-    assert_same(
-        [g.detach() if g is not None else None for g in stock], [g.detach() if g is not None else None for g in ext]
+    assert_identical(
+        [g.detach() if g is not None else None for g in ext], [g.detach() if g is not None else None for g in stock]
     )
     assert ext[0] is None and ext[2] is None
 
@@ -124,7 +110,8 @@ def test_backward_inputs_non_leaf_retains_grad():
         BACKWARD[engine]((mid**2).sum(), inputs=[mid])
         return mid.grad, a.grad
 
-    assert_same(*both(run))
+    stock, ext = both(run)
+    assert_identical(ext, stock)
 
 
 def test_double_backward_through_grad_create_graph():
@@ -135,7 +122,8 @@ def test_double_backward_through_grad_create_graph():
         BACKWARD[engine](penalty)
         return [w.grad for w in ws] + [x.grad]
 
-    assert_same(*both(run))
+    stock, ext = both(run)
+    assert_identical(ext, stock)
 
 
 def test_third_order_gradient():
@@ -147,7 +135,8 @@ def test_third_order_gradient():
         (g3,) = GRAD[engine](g2.sum(), x)
         return g1.detach(), g2.detach(), g3
 
-    assert_same(*both(run))
+    stock, ext = both(run)
+    assert_identical(ext, stock)
 
 
 @pytest.mark.parametrize(
@@ -175,7 +164,7 @@ def test_autograd_functional_under_enabled(functional):
     stock = functional()
     with torch_ext.enable():
         ext = functional()
-    assert_same(stock, ext)
+    assert_identical(ext, stock)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
@@ -189,7 +178,8 @@ def test_checkpoint_nested(use_reentrant):
         BACKWARD[engine](y.sum())
         return [p.grad for p in net.parameters()] + [x.grad]
 
-    assert_same(*both(run))
+    stock, ext = both(run)
+    assert_identical(ext, stock)
 
 
 def test_checkpoint_early_stop_recomputes_once_per_region():
@@ -207,7 +197,7 @@ def test_checkpoint_early_stop_recomputes_once_per_region():
         return x.grad, len(recomputes)
 
     (stock_grad, stock_calls), (ext_grad, ext_calls) = both(run)
-    assert torch.equal(stock_grad, ext_grad)
+    assert_identical(ext_grad, stock_grad)
     assert ext_calls == stock_calls == 2  # forward + one recompute
 
 
@@ -304,7 +294,8 @@ def test_allow_unused_and_materialize_grads():
             GRAD[engine]((a * 2).sum(), [a, b], materialize_grads=True),
         )
 
-    assert_same(*both(run))
+    stock, ext = both(run)
+    assert_identical(ext, stock)
 
 
 def test_grad_tensor_hooks_fire_on_captured_inputs():
@@ -319,7 +310,7 @@ def test_grad_tensor_hooks_fire_on_captured_inputs():
 
     (stock_log, stock), (ext_log, ext) = both(run)
     assert stock_log == ext_log
-    assert_same(stock, ext)
+    assert_identical(ext, stock)
 
 
 def test_grad_is_grads_batched():
@@ -328,7 +319,8 @@ def test_grad_is_grads_batched():
         y = x.exp()
         return GRAD[engine](y, x, torch.eye(3), is_grads_batched=True)
 
-    assert_same(*both(run))
+    stock, ext = both(run)
+    assert_identical(ext, stock)
 
 
 def _func_transforms():
@@ -352,7 +344,7 @@ def test_torch_func_transforms_under_enabled():
     stock = _func_transforms()
     with torch_ext.enable():
         ext = _func_transforms()
-    assert_same(stock, ext)
+    assert_identical(ext, stock)
 
 
 def test_compiled_autograd_falls_back_to_stock_engine():
@@ -370,7 +362,8 @@ def test_compiled_autograd_falls_back_to_stock_engine():
                 loss.backward()
         return [p.grad for p in linear.parameters()]
 
-    assert_same(run(False), run(True))
+    stock = run(False)
+    assert_identical(run(True), stock)
 
 
 FIRST_BACKWARD_UNDER_DISPATCH_MODE = """
@@ -430,7 +423,8 @@ def test_hook_registered_on_current_node_from_unpack_hook():
         BACKWARD[engine]((var + mean).sum())
         return a.grad
 
-    assert_same(*both(run))
+    stock, ext = both(run)
+    assert_identical(ext, stock)
 
 
 class _SavesInput(torch.autograd.Function):

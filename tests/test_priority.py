@@ -5,6 +5,7 @@ import torch
 from engine_helpers import recsys_like
 
 import torch_ext
+from torch_ext.testing import assert_identical
 
 
 def run_and_record(run, seed=0):
@@ -30,12 +31,6 @@ def stock_run(loss, *_):
     torch.autograd.backward(loss)
 
 
-def assert_grads_equal(stock_grads, ext_grads):
-    assert len(stock_grads) == len(ext_grads)
-    for s, e in zip(stock_grads, ext_grads):
-        assert torch.equal(s, e)
-
-
 def names(order):
     return [node.name() for node in order]
 
@@ -44,7 +39,7 @@ def test_default_order_is_stock_order():
     stock_order, stock_grads, _ = run_and_record(stock_run)
     ext_order, ext_grads, _ = run_and_record(lambda loss, *_: torch_ext.backward(loss))
     assert names(ext_order) == names(stock_order)
-    assert_grads_equal(stock_grads, ext_grads)
+    assert_identical(ext_grads, stock_grads, "gradients")
 
 
 def test_stock_runs_dense_path_first():
@@ -75,7 +70,7 @@ def test_set_priority_propagates_to_the_path_and_keeps_gradients():
     assert "ReluBackward0" not in sparse_prefix
     assert sparse_prefix.count("TanhBackward0") == 3
     assert sorted(names(order)) == sorted(names(stock_order))
-    assert_grads_equal(stock_grads, grads)
+    assert_identical(grads, stock_grads, "gradients")
 
 
 def test_propagate_false_boosts_only_the_target_once_ready():
@@ -151,7 +146,7 @@ def test_grad_accepts_priorities():
     assert not _lookup_runs_before_dense_matmuls(stock_order, stock_lookup)
     assert _lookup_runs_before_dense_matmuls(order, lookup)
     assert sorted(names(order)) == sorted(names(stock_order))
-    assert_grads_equal(list(grads[torch.autograd.grad]), list(grads[torch_ext.grad]))
+    assert_identical(grads[torch_ext.grad], grads[torch.autograd.grad], "grad() results")
 
 
 def test_clear_priority_restores_stock_order():
@@ -200,7 +195,7 @@ def test_sequence_nr_boost_still_works_like_stock():
     stock_order, stock_grads, _ = run_and_record(boosted(torch.autograd.backward))
     ext_order, ext_grads, _ = run_and_record(boosted(torch_ext.backward))
     assert names(ext_order) == names(stock_order)
-    assert_grads_equal(stock_grads, ext_grads)
+    assert_identical(ext_grads, stock_grads, "gradients")
 
 
 def test_priorities_do_not_change_sequence_nr():
@@ -290,14 +285,14 @@ def test_collectives_get_a_propagated_priority_unless_switched_off():
     assert torch_ext.is_auto_collective_priority_enabled()
     ext_order, ext_grads = run(True)
     assert ext_order == ["collective", "dense_top"]
-    assert_grads_equal(stock_grads, ext_grads)
+    assert_identical(ext_grads, stock_grads, "gradients")
     torch_ext.set_auto_collective_priority_enabled(False)
     try:
         off_order, off_grads = run(True)
     finally:
         torch_ext.set_auto_collective_priority_enabled(True)
     assert off_order == stock_order
-    assert_grads_equal(stock_grads, off_grads)
+    assert_identical(off_grads, stock_grads, "gradients")
     with pytest.raises(TypeError, match="expected a bool"):
         torch_ext.set_auto_collective_priority_enabled(1)
 
@@ -310,5 +305,5 @@ def test_engine_run_backward_accepts_priorities():
 
     stock_order, stock_grads, (lookup, *_) = run_and_record(stock_run)
     ext_order, ext_grads, (ext_lookup, *_) = run_and_record(ext_run)
-    assert_grads_equal(stock_grads, ext_grads)
+    assert_identical(ext_grads, stock_grads, "gradients")
     assert position(ext_order, ext_lookup.grad_fn) < len(ext_order) // 2 < position(stock_order, lookup.grad_fn)
