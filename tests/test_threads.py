@@ -21,6 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import torch_ext
+from torch_ext.testing import assert_identical
 
 # Graphs far too small to gain from intra-op threads (conftest.py).
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -136,12 +137,6 @@ def _mlp_grads(
     return [leaf.grad for leaf in leaves]
 
 
-def _assert_grads_equal(actual: list[torch.Tensor], expected: list[torch.Tensor], what: str) -> None:
-    assert len(actual) == len(expected), what
-    for position, (got, want) in enumerate(zip(actual, expected)):
-        assert torch.equal(got, want), f"{what}, gradient {position}"
-
-
 ENTRY_POINTS = {
     "torch_ext_backward": torch_ext.backward,
     "loss_backward_under_enable": _backward_under_enable,
@@ -164,11 +159,7 @@ def test_independent_graphs_in_threads_match_stock(entry_point):
 
     with torch_ext.enable() if backward is _backward_under_enable else contextlib.nullcontext():
         grads = _results(_run_in_threads(work))
-    for thread in range(THREADS):
-        for iteration in range(ITERATIONS):
-            _assert_grads_equal(
-                grads[thread][iteration], expected[thread][iteration], f"thread {thread}, iteration {iteration}"
-            )
+    assert_identical(grads, expected, "gradients of [thread][iteration]")
 
 
 def _integer_graph(rendezvous: threading.Barrier | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -196,7 +187,7 @@ def test_shared_graph_accumulates_from_threads_like_stock():
             torch_ext.backward(loss, retain_graph=True)
 
     _results(_run_in_threads(work))
-    _assert_grads_equal([leaf.grad for leaf in leaves], expected, "accumulated from every thread")
+    assert_identical([leaf.grad for leaf in leaves], expected, "gradients accumulated from every thread")
 
 
 class Recompute(torch.autograd.Function):
@@ -250,7 +241,7 @@ NESTED_ENGINES = {
 def test_nested_backward_inside_custom_function(engines, depth):
     outer, inner = NESTED_ENGINES[engines]
     stock = _reentrant_grad(0, torch.autograd.backward, torch.autograd.backward, depth)
-    assert torch.equal(_reentrant_grad(0, outer, inner, depth), stock)
+    assert_identical(_reentrant_grad(0, outer, inner, depth), stock)
 
 
 def _failing_in_call(inner_backward: Callable, failing_call: int) -> Callable:
@@ -273,7 +264,7 @@ def test_error_in_innermost_nested_backward_reaches_the_caller(engines, depth):
     with pytest.raises(InjectedError, match="^raised in a hook$"):
         _reentrant_grad(0, outer, _failing_in_call(inner, depth), depth)
     stock = _reentrant_grad(0, torch.autograd.backward, torch.autograd.backward, depth)
-    assert torch.equal(_reentrant_grad(0, outer, inner, depth), stock)
+    assert_identical(_reentrant_grad(0, outer, inner, depth), stock)
 
 
 @pytest.mark.parametrize("engines", list(NESTED_ENGINES))
@@ -281,8 +272,7 @@ def test_nested_backward_from_threads(engines):
     outer, inner = NESTED_ENGINES[engines]
     expected = [_reentrant_grad(seed, torch.autograd.backward, torch.autograd.backward) for seed in range(THREADS)]
     grads = _results(_run_in_threads(lambda seed: _reentrant_grad(seed, outer, inner)))
-    for seed in range(THREADS):
-        assert torch.equal(grads[seed], expected[seed]), f"thread {seed}"
+    assert_identical(grads, expected, "gradient of [thread]")
 
 
 def _checkpointed_grads(seed: int) -> list[torch.Tensor]:
@@ -304,8 +294,7 @@ def test_reentrant_checkpoint_from_threads_under_enable():
     expected = [_checkpointed_grads(seed) for seed in range(THREADS)]
     with torch_ext.enable():
         grads = _results(_run_in_threads(_checkpointed_grads))
-    for seed in range(THREADS):
-        _assert_grads_equal(grads[seed], expected[seed], f"thread {seed}")
+    assert_identical(grads, expected, "gradients of [thread]")
 
 
 def test_engine_keeps_working_after_an_error_in_one_thread():
@@ -329,4 +318,4 @@ def test_engine_keeps_working_after_an_error_in_one_thread():
                 assert str(outcome) == str(stock_error.value)
             else:
                 assert not isinstance(outcome, Exception), f"thread {thread} raised {outcome!r}"
-                _assert_grads_equal(outcome, expected[thread], f"round with thread {failing} failing, thread {thread}")
+                assert_identical(outcome, expected[thread], f"round with thread {failing} failing, thread {thread}")
