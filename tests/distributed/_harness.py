@@ -1,4 +1,4 @@
-"""Runs a function on two gloo ranks over loopback and compares stock PyTorch's results with torch_ext's.
+"""Runs a function on gloo ranks (two unless told) over loopback and compares stock PyTorch's results with torch_ext's.
 
 A test module hands :func:`run_ranks` a module-level function of the rank; each spawned rank joins
 one process group, calls it and sends back what it returned (nested dicts and lists of tensors,
@@ -114,8 +114,9 @@ def run_ranks(
     out_dir: Path,
     timeout_s: float = SPAWN_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
+    world_size: int = WORLD_SIZE,
 ) -> list[dict]:
-    """Runs ``run_on_rank(rank)`` on every rank, inside a gloo process group on loopback.
+    """Runs ``run_on_rank(rank)`` on each of ``world_size`` ranks, inside a gloo process group on loopback.
 
     ``run_on_rank`` must be a module-level function (spawned ranks import it by name). ``env`` is
     added to the ranks' environment (read at their import of torch_ext, e.g.
@@ -133,10 +134,10 @@ def run_ranks(
     ranks = [
         context.Process(
             target=_rank_main,
-            args=(rank, port, str(out_dir), run_on_rank, torch_ext.__file__, stack_dump_s),
+            args=(rank, port, str(out_dir), run_on_rank, torch_ext.__file__, stack_dump_s, world_size),
             daemon=True,
         )
-        for rank in range(WORLD_SIZE)
+        for rank in range(world_size)
     ]
     # A spawned process takes the parent's environment as it is at start().
     saved_env = {name: os.environ.get(name) for name in env or {}}
@@ -177,24 +178,26 @@ def run_ranks(
             problems.append(f"rank {rank} exited with code {process.exitcode}")
     if timed_out:
         problems.insert(0, f"ranks did not finish within {timeout_s} s and were killed")
-        for rank in range(WORLD_SIZE):
+        for rank in range(world_size):
             stacks = out_dir / f"rank{rank}.stacks"
             if stacks.exists():
                 problems.append(f"rank {rank} stacks after {stack_dump_s} s:\n{stacks.read_text()}")
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world_size)]
 
 
-def _run_in_process_group(rank: int, port: int, run_on_rank: Callable[[int], dict], parent_torch_ext_file: str):
+def _run_in_process_group(
+    rank: int, port: int, run_on_rank: Callable[[int], dict], parent_torch_ext_file: str, world_size: int
+):
     # The rank got the parent's sys.path from spawn; make sure it resolved to the same build.
     if torch_ext.__file__ != parent_torch_ext_file:
         raise ImportError(f"rank imported torch_ext from {torch_ext.__file__}, the test from {parent_torch_ext_file}")
-    torch.set_num_threads(1)  # two ranks share two cores
+    torch.set_num_threads(1)  # the ranks share two cores
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         return run_on_rank(rank)
     finally:
@@ -208,13 +211,14 @@ def _rank_main(
     run_on_rank: Callable[[int], dict],
     parent_torch_ext_file: str,
     stack_dump_s: float,
+    world_size: int,
 ) -> None:
     out = Path(out_dir)
     with open(out / f"rank{rank}.stacks", "w") as stack_dump:
         # Should the rank hang, the test reports where.
         faulthandler.dump_traceback_later(stack_dump_s, file=stack_dump)
         try:
-            results = _run_in_process_group(rank, port, run_on_rank, parent_torch_ext_file)
+            results = _run_in_process_group(rank, port, run_on_rank, parent_torch_ext_file, world_size)
         except BaseException:
             (out / f"rank{rank}.traceback").write_text(traceback.format_exc())
             raise

@@ -201,24 +201,27 @@ def _rank(rank: int, port: int, fault: str, through: str, out_dir: str) -> None:
         os._exit(0)
 
 
-def _run(fault: str, through: str, out_dir) -> dict[int, dict]:
+def _run(fault: str, through: str, out_dir, *, world_size: int = WORLD_SIZE, rank_main=_rank) -> dict[int, dict]:
+    """Each rank's report, ``rank_main(rank, port, fault, through, out_dir)`` on ``world_size`` ranks; a rank that
+    died reports nothing. (tests/distributed/test_four_ranks.py runs its own ``rank_main`` on 4 ranks.)"""
     context = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ranks = [
-        context.Process(target=_rank, args=(r, store.port, fault, through, str(out_dir))) for r in range(WORLD_SIZE)
+        context.Process(target=rank_main, args=(r, store.port, fault, through, str(out_dir))) for r in range(world_size)
     ]
     for process in ranks:
         process.start()
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
     try:
         for process in ranks:
-            process.join(timeout=max(0.0, SPAWN_TIMEOUT_S))
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
         assert not any(p.is_alive() for p in ranks), f"a rank still ran after {SPAWN_TIMEOUT_S} s: a hang"
     finally:
         for process in ranks:
             process.kill()
             process.join()
     collected = {}
-    for rank in range(WORLD_SIZE):
+    for rank in range(world_size):
         path = out_dir / f"rank{rank}.pt"
         if path.exists():
             collected[rank] = torch.load(path)
