@@ -10,6 +10,7 @@ from torch.distributed.pipelining import stage as stage_module
 
 import torch_ext
 import torch_ext.pipelining
+from torch_ext.testing import assert_identical
 
 SEED = 0
 
@@ -46,22 +47,11 @@ def run(implementation, microbatches: int = 2) -> dict:
     return results
 
 
-def assert_equal_nested(ours, theirs, where: str = "") -> None:
-    if isinstance(theirs, (list, tuple)):
-        assert len(ours) == len(theirs), where
-        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            assert_equal_nested(a, b, f"{where}[{i}]")
-    elif isinstance(theirs, torch.Tensor):
-        assert isinstance(ours, torch.Tensor) and torch.equal(ours, theirs), where
-    else:
-        assert ours == theirs, where
-
-
 def test_drop_in_matches_stock_split() -> None:
     ours = run(torch_ext.pipelining)
     theirs = run(stock_backward)
     for key in ("dinputs", "input_grads", "returned", "detached", "grads"):
-        assert_equal_nested(ours[key], theirs[key], key)
+        assert_identical(ours[key], theirs[key], key)
     # Stock assigns .grad itself (pytorch#144530: DDP's hooks never fire); torch_ext accumulates
     # through AccumulateGrad.
     assert (ours["accumulate_grad_hook_calls"], theirs["accumulate_grad_hook_calls"]) == (2, 0)
@@ -75,7 +65,7 @@ def test_shared_weight_is_counted_once() -> None:
     out = (x @ w @ w).sum()
     dinputs, param_groups = torch_ext.pipelining.stage_backward_input([out], None, [x], iter([w]))
     torch_ext.pipelining.stage_backward_weight(iter([w]), param_groups)
-    assert torch.equal(dinputs[0], expected[0]) and torch.equal(w.grad, expected[1])
+    assert_identical((dinputs[0], w.grad), expected, "x's and w's gradients")
 
 
 def test_stock_param_groups_are_refused() -> None:

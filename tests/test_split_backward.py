@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import torch_ext
+from torch_ext.testing import assert_identical
 
 SEED = 0
 MICROBATCHES = 2
@@ -259,23 +260,12 @@ def train_split(case: Case) -> Gradients:
     return Gradients(input_grads, [w.grad for w in weights])
 
 
-def assert_same(actual: list, expected: list, what: str) -> None:
-    assert len(actual) == len(expected), what
-    for i, (ours, stock) in enumerate(zip(actual, expected, strict=True)):
-        if stock is None:
-            assert ours is None, f"{what} {i}: stock has none"
-            continue
-        assert ours is not None, f"{what} {i}: missing"
-        assert torch.equal(ours, stock), f"{what} {i}: max abs diff {(ours - stock).abs().max().item()}"
-
-
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_split_matches_full_stock_backward(case: Case) -> None:
     stock = train_stock(case)
     split = train_split(case)
-    for microbatch, (ours, theirs) in enumerate(zip(split.inputs, stock.inputs, strict=True)):
-        assert_same(ours, theirs, f"microbatch {microbatch} input gradient")
-    assert_same(split.weights, stock.weights, "weight .grad")
+    assert_identical(split.inputs, stock.inputs, "input gradients of [microbatch]")
+    assert_identical(split.weights, stock.weights, "weight .grad")
 
 
 @pytest.fixture
@@ -292,7 +282,7 @@ def test_batched_accumulation_matches_full_stock_backward(case: Case, batched_ac
     # The second microbatch's weight pass accumulates into .grad that the first one made: batched.
     stock = train_stock(case)
     split = train_split(case)
-    assert_same(split.weights, stock.weights, "weight .grad")
+    assert_identical(split.weights, stock.weights, "weight .grad")
 
 
 class AccumulateCalls(TorchDispatchMode):
@@ -327,7 +317,8 @@ def test_batched_accumulation_is_one_call_and_leaves_observed_weights_to_their_n
         torch_ext.backward_weight(states[1])
     # Every weight but the hooked one, in one call; the hooked one ran its AccumulateGrad and hook.
     assert second.batch_sizes == [len(weights) - 1]
-    assert len(hook_calls) == 2 and torch.equal(hook_calls[1], hooked.grad)
+    assert len(hook_calls) == 2
+    assert_identical(hook_calls[1], hooked.grad, "what the hook saw")
     torch_ext.set_weight_accumulation_batching("off")
     with pytest.raises(ValueError, match="mode must be 'off', 'accelerator' or 'always'"):
         torch_ext.set_weight_accumulation_batching("sometimes")
@@ -494,7 +485,7 @@ def test_hooks_fire_as_in_a_full_backward() -> None:
     split_events.remove("input pass done")
     assert sorted(split_events) == sorted(stock_events)
     assert split_events.count("tensor hook") == split_events.count("node pre-hook") == 1
-    assert_same(split_grads, stock_grads, "weight .grad")
+    assert_identical(split_grads, stock_grads, "weight .grad")
 
 
 def test_retain_graph_keeps_the_graph_for_another_backward() -> None:
@@ -503,7 +494,7 @@ def test_retain_graph_keeps_the_graph_for_another_backward() -> None:
     dinputs, state = torch_ext.backward_input(mb.outputs, mb.grad_outputs, mb.inputs, mb.weights, retain_graph=True)
     split_grads = list(torch_ext.backward_weight(state, retain_graph=True))
     stock = torch.autograd.grad(mb.outputs, mb.inputs + mb.weights, mb.grad_outputs)
-    assert_same(list(dinputs) + split_grads, list(stock), "gradient")
+    assert_identical(list(dinputs) + split_grads, list(stock), "gradient")
 
 
 def test_unused_weights_and_inputs() -> None:
@@ -581,7 +572,7 @@ def test_input_grad_of_an_input_upstream_of_a_weight() -> None:
         torch_ext.backward_weight(state)
         return [dh] + [w.grad for w in weights]
 
-    assert_same(run(split=True), run(split=False), "gradient")
+    assert_identical(run(split=True), run(split=False), "gradient")
 
 
 def test_hooks_of_an_input_upstream_of_a_weight_run_once() -> None:
@@ -621,11 +612,11 @@ def test_hooks_of_an_input_upstream_of_a_weight_run_once() -> None:
     _, stock_h_grad, stock_weight_grads, stock_calls = run("stock backward")
     dh, h_grad, weight_grads, calls = run("split")
     assert calls == stock_calls == {"tensor hook": 1, "node pre-hook": 1, "node post-hook": 1}
-    assert_same([h_grad, *weight_grads], [stock_h_grad, *stock_weight_grads], "retained or weight .grad")
+    assert_identical([h_grad, *weight_grads], [stock_h_grad, *stock_weight_grads], "retained or weight .grad")
     # The returned input gradient is grad(outputs, inputs)'s: after the tensor hooks. Stock's
     # grad(outputs, [h, *weights]) returns the one before them, since there h's node also runs.
-    assert torch.equal(dh, run("stock grad of the input"))
-    assert torch.equal(dh, run("stock grad of the input and weights") * 2)
+    assert_identical(dh, run("stock grad of the input"), "input gradient")
+    assert_identical(dh, run("stock grad of the input and weights") * 2, "input gradient")
 
 
 def test_batched_accumulation_skips_a_weight_frozen_between_the_passes(batched_accumulation_everywhere) -> None:
@@ -645,7 +636,7 @@ def test_batched_accumulation_skips_a_weight_frozen_between_the_passes(batched_a
             torch.autograd.backward(out, grad)
         return w.grad
 
-    assert torch.equal(run(split=True), run(split=False))
+    assert_identical(run(split=True), run(split=False), "w.grad")
 
 
 @pytest.mark.parametrize("hooked_runs_first", [False, True], ids=["hooked_after_batched", "hooked_before_batched"])
@@ -688,9 +679,7 @@ def test_batched_accumulation_is_done_before_anything_observes_it(hooked_runs_fi
     stock = run("stock")
     for mode in ("off", "always"):
         split = run(mode)
-        assert split.keys() == stock.keys(), mode
-        for what in stock:
-            assert torch.equal(split[what], stock[what]), f"{mode}: {what}"
+        assert_identical(split, stock, mode)
 
 
 def _weight_pass_peak_bytes(state) -> int:
@@ -742,7 +731,7 @@ def test_batched_accumulation_holds_a_bounded_number_of_gradients(
         if previous is not None:
             torch_ext._C._set_max_batched_gradient_bytes(previous)
     stock_grads, _, _ = run(split=False)
-    assert_same(grads, stock_grads, "weight .grad")
+    assert_identical(grads, stock_grads, "weight .grad")
     if max_batched is None:
         # 2 MiB of gradients, under the default bound of 32 MiB: one batch, held to the end.
         assert batch_sizes == [num_weights]
@@ -784,8 +773,8 @@ def test_modifying_an_input_gradient_between_the_passes_leaves_the_weights_alone
         return [returned], [w.grad for w in weights]
 
     (stock_dx, stock_weights), (dx, weight_grads) = run(split=False), run(split=True)
-    assert_same(dx, stock_dx, "input gradient")
-    assert_same(weight_grads, stock_weights, "weight .grad")
+    assert_identical(dx, stock_dx, "input gradient")
+    assert_identical(weight_grads, stock_weights, "weight .grad")
 
 
 def test_two_threads_resuming_one_state_run_its_weight_pass_once() -> None:
@@ -816,7 +805,7 @@ def test_two_threads_resuming_one_state_run_its_weight_pass_once() -> None:
         assert len(outcomes) == 2 and outcomes.count("ran") == 1, outcomes
         assert "this state was already resumed" in next(o for o in outcomes if o != "ran")
         stock = torch.autograd.grad(torch.tanh(lin(x)), list(lin.parameters()), torch.ones_like(out))
-        assert_same([p.grad for p in lin.parameters()], list(stock), "weight .grad")
+        assert_identical([p.grad for p in lin.parameters()], list(stock), "weight .grad")
 
 
 def test_an_output_that_is_an_input_upstream_of_a_weight() -> None:
@@ -837,4 +826,4 @@ def test_an_output_that_is_an_input_upstream_of_a_weight() -> None:
         torch_ext.backward_weight(state)
         return [dh] + [p.grad for p in lin0.parameters()]
 
-    assert_same(run(split=True), run(split=False), "gradient")
+    assert_identical(run(split=True), run(split=False), "gradient")
