@@ -21,11 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from _harness import WORLD_SIZE, assert_identical, run_ranks
+from _harness import WORLD_SIZE, run_ranks
 
 import torch_ext
 import torch_ext.ops as xops
 from torch_ext import _C
+from torch_ext.testing import assert_identical
 
 pytestmark = pytest.mark.distributed
 
@@ -374,7 +375,9 @@ def test_values_match_stock(op_name, ops_results):
         assert_identical(runs["stock"], runs["reference"], f"rank {rank} {op_name} stock engine")
         assert_identical(runs["torch_ext"], runs["reference"], f"rank {rank} {op_name} torch_ext engine")
         if "c10d" in runs:
-            assert torch.equal(runs["stock"]["forward"], runs["c10d"]["forward"])
+            assert_identical(
+                runs["stock"]["forward"], runs["c10d"]["forward"], f"rank {rank} {op_name} forward, c10d's"
+            )
 
 
 def test_all_reduce_coalesced_matches_one_all_reduce_per_tensor(ops_results):
@@ -408,7 +411,7 @@ def test_collective_launches_first_on_torch_ext(family, scheduling_results):
         # With the automatic priority off, stock's order.
         assert _order(runs["torch_ext_auto_off"]["log"]) == stock_order
         for variant, run in runs.items():
-            assert torch.equal(run["grad"], runs["stock"]["grad"]), f"rank {rank} {variant}"
+            assert_identical(run["grad"], runs["stock"]["grad"], f"rank {rank} {variant}")
             assert run["in_flight_after"] == 0, f"rank {rank} {variant}: a collective was never waited on"
 
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _harness import (
-    assert_identical,
     assert_torch_ext_matches_stock,
     profiled_backward,
     ran_on_torch_ext,
@@ -29,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_ext
+from torch_ext.testing import assert_identical
 
 pytestmark = pytest.mark.distributed
 

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from _harness import (
     WORLD_SIZE,
-    assert_identical,
     assert_torch_ext_matches_stock,
     profiled_backward,
     ran_on_torch_ext,
@@ -46,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 import torch_ext
+from torch_ext.testing import assert_identical
 
 pytestmark = pytest.mark.distributed
 

@@ -20,13 +20,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _harness import assert_identical, run_ranks
+from _harness import run_ranks
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_ext
 import torch_ext.pipelining
+from torch_ext.testing import assert_identical
 
 pytestmark = pytest.mark.distributed
 

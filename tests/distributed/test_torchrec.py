@@ -16,11 +16,11 @@ import importlib.util
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import WORLD_SIZE, assert_identical, run_ranks, train_on_both_engines
+from _harness import WORLD_SIZE, run_ranks, train_on_both_engines
 from engine_helpers import graph_nodes
 
 import torch_ext
-from torch_ext.testing import dlrm_batch, sharded_dlrm
+from torch_ext.testing import assert_identical, dlrm_batch, sharded_dlrm
 
 pytestmark = pytest.mark.distributed
 

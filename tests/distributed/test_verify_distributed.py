@@ -23,6 +23,7 @@ from test_moe import DIM, TOKENS, ExpertParallelMoE
 from test_torchrec import HAS_TORCHREC, NEEDS_TORCHREC, _batch, _dlrm, _local_tables
 
 import torch_ext
+from torch_ext.testing import identity_difference
 
 pytestmark = pytest.mark.distributed
 
@@ -96,7 +97,7 @@ def _verify_everything(rank: int) -> dict:
     step, model, optimizer = _moe_step(rank)
     before = {name: p.detach().clone() for name, p in model.state_dict().items()}
     report = torch_ext.verify(step, steps=STEPS, models=[model], optimizers=[optimizer])
-    restored = all(torch.equal(before[name], p) for name, p in model.state_dict().items())
+    restored = identity_difference(dict(model.state_dict()), before) is None
     results["moe"] = _report(report, {"restored": restored, "parameters": len(list(model.parameters()))})
 
     step, model, optimizer = _moe_step(rank, differ_on_rank=1)
@@ -112,9 +113,7 @@ def _verify_everything(rank: int) -> dict:
         results["dlrm"] = _report(
             report,
             {
-                "tables_restored": all(
-                    torch.equal(a, b) for name in tables_before for a, b in zip(tables_before[name], tables_after[name])
-                ),
+                "tables_restored": identity_difference(tables_after, tables_before) is None,
                 "tables_change_in_a_step": any(
                     not torch.equal(a, b)
                     for name in tables_before
