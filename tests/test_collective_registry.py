@@ -16,6 +16,7 @@ from torch.autograd.function import BackwardCFunction
 
 import torch_ext
 from torch_ext import collectives
+from torch_ext.testing import assert_identical
 
 COLLECTIVE_PRIORITY = 2**62
 
@@ -180,7 +181,7 @@ def test_launch_gets_the_collective_priority_and_stock_bits():
     loss, _, _, _, leaves = recsys_like(exchange=exchange)
     with torch_ext.trace() as trace:
         torch_ext.backward(loss)
-    assert all(torch.equal(ours, theirs) for ours, theirs in zip([leaf.grad for leaf in leaves], stock, strict=True))
+    assert_identical([leaf.grad for leaf in leaves], stock, "gradients")
     (launch,) = [event for event in trace.events if event["name"] == "WaitBackward"]
     assert (launch["priority"], launch["priority_from"], launch["collective"]) == (
         COLLECTIVE_PRIORITY,
@@ -227,7 +228,7 @@ def test_registering_while_another_thread_runs_backward():
         for _ in range(50):
             loss, _, _, _, leaves = recsys_like(exchange=exchange)
             torch_ext.backward(loss)
-            assert all(torch.equal(leaf.grad, grad) for leaf, grad in zip(leaves, stock, strict=True))
+            assert_identical([leaf.grad for leaf in leaves], stock, "gradients")
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         backwards = pool.submit(run_backwards)

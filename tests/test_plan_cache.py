@@ -24,6 +24,7 @@ from torch import nn
 
 import torch_ext
 from torch_ext import _C
+from torch_ext.testing import assert_identical
 
 # A structure is kept from its second call on: the third is the first replay.
 FIRST_REPLAY = 3
@@ -65,8 +66,9 @@ def test_a_training_loop_replays_its_plan_with_stock_bits():
             else:
                 loss.backward()
             opt.step()
-        for a, b in zip(stock.parameters(), ours.parameters(), strict=True):
-            assert torch.equal(a.grad, b.grad) and torch.equal(a, b)
+        assert_identical(
+            [(p.grad, p) for p in ours.parameters()], [(p.grad, p) for p in stock.parameters()], "(.grad, value)"
+        )
     stats = _C._plan_cache_stats(False)
     assert stats["hits"] == steps - FIRST_REPLAY + 1 and stats["misses"] == FIRST_REPLAY - 1, stats
     assert stats["templates"] == 1 and stats["template_bytes"] > 0, stats
@@ -77,7 +79,7 @@ def test_grad_and_backward_inputs_replay_separately():
     for _ in range(FIRST_REPLAY):
         x = torch.randn(5, 8, requires_grad=True)
         expected = torch.autograd.grad(stock(x).sum(), x)
-        assert torch.equal(torch_ext.grad(ours(x).sum(), x)[0], expected[0])
+        assert_identical(torch_ext.grad(ours(x).sum(), x), expected, "grad()")
     assert _hits() == 1
     for _ in range(FIRST_REPLAY):
         x = torch.randn(5, 8, requires_grad=True)
@@ -111,7 +113,7 @@ def test_a_node_reused_where_the_plan_had_two_is_a_new_plan(build):
     expected = x.grad.clone()
     x.grad = None
     build(True, x).backward()
-    assert torch.equal(x.grad, expected)
+    assert_identical(x.grad, expected, "x.grad")
     assert _hits() == 1, "the shared node was run as two nodes of the old plan"
 
 
@@ -168,9 +170,7 @@ def test_replayed_random_graphs_keep_stock_bits(entry, drawn_priorities, program
         for _ in range(FIRST_REPLAY):
             results, record = _run_grad(program, priorities or [])
             _assert_same_bits(stock, record)
-            for s, e in zip(stock_results, results, strict=True):
-                for a, b in zip(s, e, strict=True):
-                    assert (a is None and b is None) or torch.equal(a, b)
+            assert_identical(results, stock_results, "grad() results of each run")
     assert _hits() > hits_before, "the third call of the same structure did not replay its plan"
 
 
@@ -230,6 +230,5 @@ def test_hugging_face_training_loop_replays_with_stock_bits():
             with torch_ext.enable() if on_torch_ext else contextlib.nullcontext():
                 loss.backward()
             optimizer.step()
-        for a, b in zip(stock.parameters(), ours.parameters(), strict=True):
-            assert torch.equal(a, b)
+        assert_identical(list(ours.parameters()), list(stock.parameters()), "parameters")
     assert _hits() == steps - FIRST_REPLAY + 1

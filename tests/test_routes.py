@@ -20,6 +20,7 @@ from engine_helpers import assert_same_error
 from torch.autograd.graph import get_gradient_edge
 
 import torch_ext
+from torch_ext.testing import assert_identical
 
 
 def leaf(*shape):
@@ -116,7 +117,7 @@ def test_torch_function_receives_torch_autograd_functions(api):
     assert stock_funcs == ext_funcs == [getattr(torch.autograd, api)]
     # The subclass's handler called stock's function again, and that call still ran on torch_ext.
     assert (stock_calls, ext_calls) == (0, 1)
-    assert torch.equal(stock_result, ext_result)
+    assert_identical(ext_result, stock_result, "grad")
 
 
 # ---------------------------------------------------------------- a route's priorities stay with its own call
@@ -242,8 +243,8 @@ def test_stock_backward_on_another_thread_stays_on_stock(where):
         pause.go_on.set()
     assert not errors and not thread.is_alive()
     assert [call["thread"] for call in backward_calls(traced)] == [thread.native_id]
-    assert torch.equal(w.grad, stock_w.grad)
-    assert torch.equal(x.grad, torch.autograd.grad(x.tanh().sum(), x)[0])
+    assert_identical(w.grad, stock_w.grad, "w.grad")
+    assert_identical(x.grad, torch.autograd.grad(x.tanh().sum(), x)[0], "x.grad")
 
 
 # ---------------------------------------------------------------- torch_ext.Engine takes stock's arguments as given
@@ -256,7 +257,8 @@ def test_engine_run_backward_without_inputs_like_stock():
         engine.run_backward(((x * x).sum(),), (torch.ones(()),), False, False, accumulate_grad=True)  # no inputs=
         return x.grad
 
-    assert torch.equal(run(torch._C._ImperativeEngine()), run(torch_ext.Engine()))
+    stock = run(torch._C._ImperativeEngine())
+    assert_identical(run(torch_ext.Engine()), stock, "x.grad")
 
 
 def test_op_backward_with_empty_inputs_raises_like_stock():
@@ -310,10 +312,10 @@ def test_plain_calls_skip_stock_python_and_keep_its_bits(call):
     loss = (x.sin() * 2).sum()
     if call.startswith("backward"):
         torch.autograd.backward(loss)
-        assert torch.equal(ext_grad, x.grad)
+        assert_identical(ext_grad, x.grad, "x.grad")
     else:
         (stock,) = torch.autograd.grad(loss, x)
-        assert torch.equal(ext_result[0], stock)
+        assert_identical(ext_result[0], stock, "grad()")
 
 
 GIVEN_MORE = {

@@ -12,6 +12,7 @@ import torch
 from engine_helpers import graph_nodes, recsys_like
 
 import torch_ext
+from torch_ext.testing import assert_identical
 from torch_ext.tracing import plot_timelines, trace_clock_ns
 
 
@@ -86,8 +87,7 @@ def test_gradients_equal_stock_with_tracing_on():
     with torch_ext.trace() as t:
         torch_ext.backward(loss)
     assert t.events
-    for ours, theirs in zip([leaf.grad for leaf in leaves], stock, strict=True):
-        assert torch.equal(ours, theirs)
+    assert_identical([leaf.grad for leaf in leaves], stock, "gradients")
 
 
 def test_priority_and_where_it_came_from():

@@ -26,6 +26,7 @@ from torch.autograd.variable import Variable
 
 import torch_ext
 from torch_ext.__main__ import main as torch_ext_main
+from torch_ext.testing import assert_identical
 from torch_ext.verify import _verify
 
 # Graphs far too small to gain from intra-op threads (conftest.py).
@@ -81,8 +82,8 @@ def test_mlp_with_sgd_is_identical_and_left_as_it_was():
         assert stock.order == ours.order and len(ours.order) == 10
     assert str(report).startswith("torch_ext.verify: IDENTICAL")
     after = _state(model, optimizer)
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "not restored"
-    assert torch.equal(torch.get_rng_state(), generator_before)
+    assert_identical(after, before, "restored state")
+    assert_identical(torch.get_rng_state(), generator_before, "restored generator")
 
 
 def test_stock_run_is_stock_even_when_torch_ext_is_enabled():
@@ -120,7 +121,7 @@ def test_a_step_that_raises_leaves_the_model_as_it_was():
     with pytest.raises(ValueError, match="a failing step") as raised:
         torch_ext.verify(step, models=[model], optimizers=[optimizer])
     assert "torch_ext.verify: raised in step 0 of the torch_ext run" in raised.value.__notes__
-    assert all(torch.equal(a, b) for a, b in zip(before, _state(model, optimizer), strict=True))
+    assert_identical(_state(model, optimizer), before, "restored state")
     # The engine wrapper is gone, and torch_ext is off again.
     assert Variable._execution_engine is torch_ext.engine._router and not torch_ext.is_enabled()
 
