@@ -1,8 +1,17 @@
 """Timing, statistics and CSV helpers shared by the benchmarks in this directory, and what each benchmark's
 ``summary_rows`` and ``plot`` (for ``python -m torch_ext bench``) build on: ``SummaryRow``, ``read_csv``, ``bar_chart``.
 
+The three overlap benchmarks (overlap, recsys_torchrec, moe_sync) share one sweep of the dense backward against
+T_comm: its settings (RATIOS, QUICK_RATIOS, SweepConfig), options and main (``sweep_parser``, ``run_sweep``: two
+hosts, or a rank under torchrun), the repetitions (``timed_repetitions``), T_comm (``calibrate_t_comm``), the
+ranks' times merged (``merge_ranks``), and the summary rows and plot (``sweep_summary_row``,
+``plot_efficiency_curves``). All three measure exposed communication one way: each rank's backward thread's
+blocked time (``timed_blocking``), read as what the slowest rank's backward waited beyond the longest time any
+rank spent unblocked (``exposed_past_the_slowest_rank``, which says why not the slower rank's blocked time).
+
 Benchmarks are scripts (``python benchmarks/<name>.py``); Python puts this directory on sys.path
-for them, which is how they import this module.
+for them, which is how they import this module. The sweep's helpers import ``_hosts`` when called: it imports
+this module.
 """
 
 from __future__ import annotations
@@ -199,7 +208,30 @@ def bar_chart(ax, labels: Sequence[str], series: dict[str, Sequence[float]], yla
         ax.legend(fontsize=8)
 
 
-# --- sweeps of the dense backward against the communication (overlap, recsys_torchrec) -------------------
+# --- the sweep of the dense backward against the communication (overlap, recsys_torchrec, moe_sync) -------------
+
+# The dense backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
+RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
+QUICK_RATIOS = (0.5, 1.0, 2.0)
+# T_comm: how long stock's backward waits for the collective with nothing to hide it behind (calibrate_t_comm),
+# the median of this many steps after a few untimed ones (a process's first all_to_alls are slower: in moe_sync
+# the first library's read 1.5-1.8x the later ones'). ~2 s.
+WARMUP_STEPS = 3
+COMM_CALIBRATION_REPS = 15
+# Seconds of calls one dense layer's calibration takes at least (dense_layer_backward_s).
+CALIBRATION_S = 2.0
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    ratios: tuple[float, ...]
+    # Timed repetitions of every variant at every point, after ``warmup`` untimed ones.
+    reps: int
+    warmup: int
+    # Calls of the calibration's stack of layers at least (dense_layer_backward_s).
+    calibration_reps: int
+    # Where rank 0 draws a traced backward (None: not traced).
+    timeline_png: str | None
 
 
 def parse_ratios(text: str) -> tuple[float, ...]:
@@ -215,9 +247,207 @@ def parse_ratios(text: str) -> tuple[float, ...]:
     return ratios
 
 
+def sweep_parser(doc: str, name: str, quick_help: str, timeline_help: str | None = None):
+    """A sweep script's argument parser (its module docstring ``doc``): the options every sweep takes, and
+    ``--timeline PNG`` where it draws one (``timeline_help``). The script adds its own before parsing them with
+    ``parse_sweep_args``."""
+    import argparse
+
+    from _hosts import MODES, RANK_RESULTS_OPTION
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--reps", type=int, help="timed repetitions of every variant at every sweep point")
+    parser.add_argument("--ratios", type=parse_ratios, help="dense backward / T_comm to sweep, e.g. 0.5,1,2")
+    parser.add_argument(
+        "--network",
+        choices=MODES,
+        default=MODES[0],
+        help="where the 2 ranks run (default two-hosts; what cannot be made falls back to the next)",
+    )
+    parser.add_argument("--out", default=f"results/{name}.csv", help="long-format CSV to write")
+    if timeline_help is not None:
+        parser.add_argument("--timeline", metavar="PNG", help=timeline_help)
+    parser.add_argument(RANK_RESULTS_OPTION, help=argparse.SUPPRESS)  # set by the launcher on each rank
+    return parser
+
+
+def parse_sweep_args(parser, argv: list[str] | None):
+    args = parser.parse_args(argv)
+    if args.reps is not None and args.reps < 2:
+        parser.error("--reps must be at least 2 (percentiles need two samples)")
+    return args
+
+
+def sweep_config(args, name: str, quick_reps: int, reps: int) -> SweepConfig:
+    """The settings of ``sweep_parser``'s options: ``quick_reps`` or ``reps`` repetitions unless ``--reps``."""
+    timeline_png = None
+    if getattr(args, "timeline", None) is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            progress(f"{name}: --timeline skipped: matplotlib is not installed (pip install 'torch_ext[bench]')")
+        else:
+            timeline_png = os.path.abspath(args.timeline)
+    return SweepConfig(
+        ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
+        reps=args.reps or (quick_reps if args.quick else reps),
+        warmup=1 if args.quick else 2,
+        calibration_reps=25 if args.quick else 31,
+        timeline_png=timeline_png,
+    )
+
+
+def _on_every_rank(run_rank: Callable[[], object]) -> list:
+    """In a rank started by torchrun: ``run_rank()`` in the gloo process group of torchrun's environment, with one
+    intra-op thread (two ranks may share two cores); every rank's result, in rank order."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    try:
+        result = run_rank()
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        return gathered
+    finally:
+        dist.destroy_process_group()
+
+
+def run_sweep(
+    script: str, args, argv: list[str] | None, run_rank: Callable[[], object], report: Callable, announce: str
+):
+    """A sweep script's main. Started by torchrun (by ``_hosts.run_on_two_hosts``, ``--rank-results``, or by a user on
+    two machines, where rank 0 reports): ``run_rank()`` (this rank's part, in the process group; its result
+    JSON-serializable) on every rank, and leaves. Otherwise runs the script on 2 ranks as 2 hosts, sampling the
+    runnable tasks meanwhile, and reports: ``report(results, link, out, load)``, every rank's result in rank
+    order, prints the table and writes the CSV. Returns the exit status."""
+    from _hosts import leave_rank, run_on_two_hosts, write_rank_result
+
+    # Started by torchrun (it sets TORCHELASTIC_RUN_ID): one of the ranks.
+    if args.rank_results is not None or "TORCHELASTIC_RUN_ID" in os.environ:
+        results = _on_every_rank(run_rank)
+        if args.rank_results is not None:
+            write_rank_result(args.rank_results, results[int(os.environ["RANK"])])
+        elif os.environ["RANK"] == "0":
+            report(results, f"torchrun with {os.environ['WORLD_SIZE']} ranks", args.out)
+        # An exception above still exits with its traceback and status 1.
+        leave_rank()
+    progress(announce)
+    forwarded = sys.argv[1:] if argv is None else list(argv)
+    with runnable_tasks() as load:
+        run = run_on_two_hosts(script, forwarded, mode=args.network)
+    report(run.results, run.network.label, args.out, load())
+    return 0
+
+
 def sweep_depth(ratio: float, t_comm: float, t_layer: float, max_layers: int) -> int:
     """Dense layers whose backward takes about ``ratio`` x ``t_comm``, one layer's taking ``t_layer``."""
     return int(min(max_layers, max(1, round(ratio * t_comm / t_layer))))
+
+
+def timed_repetitions(
+    variants: Sequence[str], measure: Callable[[str, int], dict[str, float]], reps: int, warmup: int
+) -> dict[str, dict[str, list[float]]]:
+    """At one sweep point, on every rank: ``measure(variant, repetition)`` (seconds by metric) of every variant in
+    ``warmup + reps`` repetitions, the warm-up left out: ``{variant: {metric: [seconds per repetition]}}``. The
+    variants alternate within each repetition, the first rotating, so drift in the machine's load spreads evenly
+    over them."""
+    samples: dict[str, dict[str, list[float]]] = {variant: {} for variant in variants}
+    for rep in range(warmup + reps):
+        shift = rep % len(variants)
+        for variant in [*variants[shift:], *variants[:shift]]:
+            measured = measure(variant, rep)
+            if rep >= warmup:
+                for metric, seconds in measured.items():
+                    samples[variant].setdefault(metric, []).append(seconds)
+    return samples
+
+
+def exposed_past_the_slowest_rank(walls: Sequence[float], blocked: Sequence[float]) -> float:
+    """One step's exposed communication from each rank's backward: (wall seconds, blocked seconds) per rank, as
+    ``timed_blocking`` measured them. The step ends with its slowest rank's backward; what it waited beyond the
+    longest time any rank spent unblocked (computing, or waiting for a CPU) is communication nothing hid.
+
+    Not the slower rank's blocked time: a rank that reaches the collective first also waits for the other to
+    arrive. On the shaped link one rank's dense backward ending 5-14 ms after the other's at every deep point of a
+    quick run read as stock waiting 40-50 ms for an all_to_all that took 36 ms with no dense path (36 in the
+    runs before and after). Not the rank that waited least either: gloo's all_to_all keeps one rank ~20 ms and
+    the other ~36 ms in the same call, and the step pays the 36.
+    """
+    unblocked = max(wall - waited for wall, waited in zip(walls, blocked, strict=True))
+    return max(0.0, max(walls) - unblocked)
+
+
+def _exposed_of_each_step(walls_per_rank: Sequence[Sequence[float]], blocked_per_rank: Sequence[Sequence[float]]):
+    """exposed_past_the_slowest_rank of each step, from every rank's seconds per step."""
+    return [
+        exposed_past_the_slowest_rank(walls, blocked)
+        for walls, blocked in zip(zip(*walls_per_rank, strict=True), zip(*blocked_per_rank, strict=True), strict=True)
+    ]
+
+
+def calibrate_t_comm(step: Callable[[], dict[str, float]]) -> list[float]:
+    """T_comm's samples, on every rank (the same on each): WARMUP_STEPS untimed calls of ``step``, then
+    COMM_CALIBRATION_REPS timed ones, each step's exposed communication read as the sweep's points read theirs
+    (exposed_past_the_slowest_rank). ``step()`` runs stock's backward of the model with no dense layer, the ranks
+    started together, and returns its ``backward_s`` and ``blocked_s`` (``timed_blocking``).
+
+    Stock's wait where nothing can hide the collective, not the all_to_all timed alone: on the shaped veth the
+    wait was 35-38 ms for 2 MiB each way in every run, loaded or not, while the all_to_all alone, back to back or
+    between steps, took either ~36 or ~19 ms on the slower rank (both directions at the link's rate), and which of
+    the two dominated changed from run to run (medians of 36, 28 and 24 ms between steps in three runs; 24 ms for
+    25 back to back in a fourth, then 36-38 ms in its steps).
+    """
+    import torch.distributed as dist
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    steps = [step() for _ in range(COMM_CALIBRATION_REPS)]
+    mine = torch.tensor([[s["backward_s"], s["blocked_s"]] for s in steps], dtype=torch.float64)
+    every_rank = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every_rank, mine)
+    return _exposed_of_each_step(
+        [rank[:, 0].tolist() for rank in every_rank], [rank[:, 1].tolist() for rank in every_rank]
+    )
+
+
+def merge_ranks(points_of_each_rank: Sequence[Sequence[dict]]) -> list[dict]:
+    """A sweep's points as the step sees them, from every rank's (``{"ratio", "dense_layers", "samples"}``, the
+    samples as ``timed_repetitions`` gives them): each metric per repetition the slowest rank's (the step waits for
+    it), and where a variant has ``blocked_s``, its ``exposed_s`` per repetition, exposed_past_the_slowest_rank of
+    every rank's ``backward_s`` and ``blocked_s``."""
+    merged = []
+    for index, point in enumerate(points_of_each_rank[0]):
+        per_rank = [points[index]["samples"] for points in points_of_each_rank]
+        samples = {}
+        for variant, metrics in point["samples"].items():
+            samples[variant] = {
+                metric: [max(values) for values in zip(*(s[variant][metric] for s in per_rank), strict=True)]
+                for metric in metrics
+            }
+            if "blocked_s" in metrics:
+                samples[variant]["exposed_s"] = _exposed_of_each_step(
+                    [s[variant]["backward_s"] for s in per_rank], [s[variant]["blocked_s"] for s in per_rank]
+                )
+        merged.append({**point, "samples": samples})
+    return merged
+
+
+def exposure(exposed_s: Sequence[float], t_comm_s: float) -> tuple[Summary, Summary]:
+    """Exposed communication in ms and overlap efficiency (1 - exposed / T_comm) of a point's repetitions."""
+    return summarize([e * 1e3 for e in exposed_s]), summarize([1 - e / t_comm_s for e in exposed_s])
+
+
+def print_t_comm(comm: Summary, steps: int) -> None:
+    print(f"T_comm {comm} ms (stock's wait with no dense layer, {steps} steps; efficiency = 1 - exposed / its median)")
+
+
+def print_load(load: Summary | None) -> None:
+    if load is not None:
+        print(f"runnable tasks while the ranks ran: {load} (the ranks make 2; more: other processes on the 2 cores)")
 
 
 def sweep_case(name: str, ratio: float) -> str:
@@ -232,6 +462,68 @@ def sweep_cases(rows: dict, what: str, metric: str) -> list[tuple[float, str]]:
         for row_what, case, row_metric in rows
         if row_what == what and row_metric == metric
     ]
+
+
+def scenario_and_link(size: str) -> tuple[str, str]:
+    """A sweep point's CSV size, ``"<scenario>, <n> dense layers, <link>"``, as (scenario, link)."""
+    scenario, _, link = size.rpartition(", ")
+    return scenario.rpartition(", ")[0], link
+
+
+def median_over_stock(rows: dict, variant: str, points: Sequence[tuple[float, str]], metric: str) -> float:
+    """The median over a sweep's points of ``variant``'s ``metric`` / stock's."""
+    return statistics.median(
+        rows[(variant, case, metric)]["median"] / rows[("stock", case, metric)]["median"] for _, case in points
+    )
+
+
+def load_note(rows: dict, case: str) -> str:
+    """The summary notes' runnable tasks while the ranks ran (the CSV's ``machine`` row), where known."""
+    load = rows.get(("machine", case, "runnable_tasks"))
+    return "" if load is None else f"; runnable tasks {load['median']:g} (the ranks: 2)"
+
+
+def sweep_summary_row(
+    benchmark: str,
+    case: str,
+    variant: str,
+    rows: dict,
+    points: Sequence[tuple[float, str]],
+    over_stock: dict[str, float],
+    *,
+    lead: str = "",
+    exposed: bool = True,
+    stock_note: str = "",
+) -> SummaryRow:
+    """A variant's line of the summary table from a sweep's CSV ``rows`` at ``points`` (``sweep_cases``): the headline
+    is the sweep's mean overlap efficiency beside the ideal's mean, min(1, ratio); the ratio column is
+    ``over_stock["ratio"]``. The notes: ``lead``, the efficiency at each point, the mean exposed ms (``exposed``),
+    and on stock's line ``stock_note``. The values: the mean efficiency and the ideal's, the mean exposed ms,
+    ``over_stock``, and the curve for the plot (``"efficiency x<ratio>"``)."""
+    efficiencies = [rows[(variant, point, "efficiency")]["median"] for _, point in points]
+    ideal = statistics.mean(min(1.0, ratio) for ratio, _ in points)
+    mean_efficiency = statistics.mean(efficiencies)
+    values = {"efficiency": mean_efficiency, "ideal_efficiency": ideal}
+    if exposed:
+        values["exposed_ms"] = statistics.mean(rows[(variant, point, "exposed_ms")]["median"] for _, point in points)
+    values.update(over_stock)
+    values.update({f"efficiency x{ratio:g}": eff for (ratio, _), eff in zip(points, efficiencies, strict=True)})
+    per_point = ", ".join(f"x{ratio:g}: {eff:.2f}" for (ratio, _), eff in zip(points, efficiencies, strict=True))
+    notes = f"{lead}efficiency by dense/comm ratio {per_point}"
+    if exposed:
+        notes += f"; exposed {values['exposed_ms']:.1f} ms on average"
+    if variant == "stock":
+        notes += stock_note
+    return SummaryRow(
+        benchmark,
+        case,
+        variant,
+        "stock",
+        f"efficiency {mean_efficiency:.2f} (ideal {ideal:.2f})",
+        f"{values['ratio']:.2f}",
+        notes,
+        values,
+    )
 
 
 def plot_efficiency_curves(ax, rows: Sequence[SummaryRow], title: str) -> None:
@@ -254,39 +546,6 @@ def plot_efficiency_curves(ax, rows: Sequence[SummaryRow], title: str) -> None:
     ax.set_ylabel("overlap efficiency (1: all hidden)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-
-
-def exposed_past_the_slowest_rank(walls: Sequence[float], blocked: Sequence[float]) -> float:
-    """One step's exposed communication from each rank's backward: (wall seconds, blocked seconds) per rank, as
-    ``timed_blocking`` measured them. The step ends with its slowest rank's backward; what it waited beyond the
-    longest time any rank spent unblocked (computing, or waiting for a CPU) is communication nothing hid.
-
-    Not the slower rank's blocked time: a rank that reaches the collective first also waits for the other to
-    arrive. On the shaped link one rank's dense backward ending 5-14 ms after the other's at every deep point of a
-    quick run read as stock waiting 40-50 ms for an all_to_all that took 36 ms with no dense path (36 in the
-    runs before and after). Not the rank that waited least either: gloo's all_to_all keeps one rank ~20 ms and
-    the other ~36 ms in the same call, and the step pays the 36.
-    """
-    unblocked = max(wall - waited for wall, waited in zip(walls, blocked, strict=True))
-    return max(0.0, max(walls) - unblocked)
-
-
-def slowest_rank_samples(measure: Callable[[], float], reps: int) -> list[float]:
-    """In a benchmark's rank, on every rank: ``reps`` calls of ``measure()`` (each starting the ranks together),
-    each call's value the slowest rank's.
-
-    For T_comm, the benchmarks measure how long stock's backward waits for the collective where nothing can hide
-    it: on the shaped veth that was 35-38 ms for 2 MiB each way in every run, loaded or not. The all_to_all alone
-    was not a steady yardstick: back to back or between steps, the slower rank's took either ~36 or ~19 ms (both
-    directions at the link's rate), and which of the two dominated changed from run to run (medians of 36, 28 and
-    24 ms between steps in three runs; 24 ms for 25 back to back in a fourth, then 36-38 ms in its steps). The
-    ranks' own times differ within a call (one rank 20 ms, the other 36), hence the slowest rank per call.
-    """
-    import torch.distributed as dist
-
-    samples = torch.tensor([measure() for _ in range(reps)], dtype=torch.float64)
-    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
-    return samples.tolist()
 
 
 # A dense layer's backward is calibrated on this many layers one after the other: calls of 8-20 ms here, not 1-2.

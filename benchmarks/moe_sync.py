@@ -15,7 +15,7 @@ capacity, combined back) beside a dense path, for each library:
   checked    the lane with the collective order check on (torch_ext.check_collective_order): its cost
 
 T_comm is how long stock's backward waits for the all_to_all in the same layer with no dense path, the median of
-15 steps (``_common.slowest_rank_samples`` says why not the all_to_all timed alone). The dense path's backward is
+15 steps (``_common.calibrate_t_comm`` says why not the all_to_all timed alone). The dense path's backward is
 swept over multiples of T_comm (--ratios). At each point, per repetition, each rank's backward thread's blocked
 time is measured (``_common.timed_blocking``: waiting for the all_to_all inside the node, or for the lane's
 result where the expert's backward needs it); exposed communication = the slowest rank's backward minus the
@@ -32,11 +32,8 @@ give torch.equal gradients to stock's.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import importlib.util
-import os
 import statistics
 import sys
 import time
@@ -45,24 +42,34 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from _common import (
+    CALIBRATION_S,
     Summary,
     SummaryRow,
+    SweepConfig,
+    calibrate_t_comm,
     csv_row,
     dense_layer_backward_s,
-    exposed_past_the_slowest_rank,
+    exposure,
     git_sha,
-    parse_ratios,
+    load_note,
+    median_over_stock,
+    merge_ranks,
+    parse_sweep_args,
     plot_efficiency_curves,
-    progress,
-    runnable_tasks,
+    print_load,
+    run_sweep,
     summarize,
     sweep_case,
     sweep_cases,
+    sweep_config,
     sweep_depth,
+    sweep_parser,
+    sweep_summary_row,
     timed_blocking,
+    timed_repetitions,
     write_csv,
 )
-from _hosts import MODES, RANK_RESULTS_OPTION, agreed_max, leave_rank, run_on_two_hosts, write_rank_result
+from _hosts import agreed_max
 from torch import nn
 
 import torch_ext
@@ -75,15 +82,6 @@ DIM = 256
 # T_comm (~36 ms), fine enough a step for the sweep (all 4096 rows made a layer ~19 ms, the points 0.5 apart).
 DENSE_ROWS = 1024
 MAX_DENSE_LAYERS = 64
-# The dense path's backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
-RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
-QUICK_RATIOS = (0.5, 1.0, 2.0)
-# T_comm: stock's wait in a layer with no dense path, the median of this many steps, after a few
-# untimed ones (a process's first all_to_alls are slower: the first library's read 1.5-1.8x the later ones').
-WARMUP_STEPS = 3
-COMM_CALIBRATION_REPS = 15
-# Seconds of calls one dense layer's calibration takes at least (_common.dense_layer_backward_s).
-CALIBRATION_S = 2.0
 ENGINE_VARIANTS = ("stock", "torch_ext", "priority", "lane", "checked")
 TIMED_VARIANTS = ("compute", *ENGINE_VARIANTS)
 LIBRARIES = ("megatron", "deepspeed")
@@ -201,65 +199,36 @@ def _check_bits(model: Layer, tokens: torch.Tensor, function: type, rank: int, l
             raise AssertionError(f"rank {rank}, {library}: {variant}'s gradients differ from stock's")
 
 
-def _calibrate_comm(all_to_all: Callable, function: type, tokens: torch.Tensor) -> list[float]:
-    """T_comm's samples: how long stock's backward waits for the all_to_all in a layer with no dense path, each
-    step's as the sweep's points read it (_common.exposed_past_the_slowest_rank)."""
-    probe = Layer(all_to_all, 0)
-    optimizer = torch.optim.SGD(probe.parameters(), lr=1e-4)
-    for _ in range(WARMUP_STEPS):
-        _step(probe, optimizer, tokens, "stock", function)
-    steps = [_step(probe, optimizer, tokens, "stock", function) for _ in range(COMM_CALIBRATION_REPS)]
-    mine = torch.tensor([[step["backward_s"], step["blocked_s"]] for step in steps], dtype=torch.float64)
-    every_rank = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every_rank, mine)
-    return [
-        exposed_past_the_slowest_rank(
-            [rank[i, 0].item() for rank in every_rank], [rank[i, 1].item() for rank in every_rank]
-        )
-        for i in range(COMM_CALIBRATION_REPS)
-    ]
-
-
-def _run_library(library: str, ratios: Sequence[float], reps: int, warmup: int, t_layer: float) -> dict:
+def _run_library(library: str, config: SweepConfig, t_layer: float) -> dict:
     rank = dist.get_rank()
     all_to_all, function = library_all_to_all(library)
     torch.manual_seed(rank)
     tokens = torch.randn(WORLD_SIZE * CAPACITY, DIM)
-    comm_s = _calibrate_comm(all_to_all, function, tokens)
+    probe = Layer(all_to_all, 0)
+    probe_optimizer = torch.optim.SGD(probe.parameters(), lr=1e-4)
+    comm_s = calibrate_t_comm(lambda: _step(probe, probe_optimizer, tokens, "stock", function))
     t_comm = statistics.median(comm_s)
     points = []
-    for ratio in ratios:
+    for ratio in config.ratios:
         dense_layers = sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS)
         torch.manual_seed(rank)
         model = Layer(all_to_all, dense_layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
         _check_bits(model, tokens, function, rank, library)
-        samples = {variant: {"backward_s": [], "step_s": [], "blocked_s": []} for variant in TIMED_VARIANTS}
-        for rep in range(warmup + reps):
-            # Alternate the variants within each repetition, rotating which goes first, so drift in the
-            # machine's load spreads evenly over them.
-            shift = rep % len(TIMED_VARIANTS)
-            for variant in TIMED_VARIANTS[shift:] + TIMED_VARIANTS[:shift]:
-                measured = _step(model, optimizer, tokens, variant, function)
-                if rep >= warmup:
-                    for key, value in measured.items():
-                        samples[variant][key].append(value)
+
+        def measure(variant: str, _rep: int, model=model, optimizer=optimizer) -> dict[str, float]:
+            return _step(model, optimizer, tokens, variant, function)
+
+        samples = timed_repetitions(TIMED_VARIANTS, measure, config.reps, config.warmup)
         points.append({"ratio": ratio, "dense_layers": dense_layers, "samples": samples})
     return {"comm_s": comm_s, "t_layer": t_layer, "points": points}
 
 
-def _run_rank(libraries: Sequence[str], ratios: Sequence[float], reps: int, warmup: int, calibration_reps: int):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    try:
-        # Once, for every library, before any is imported.
-        t_layer = agreed_max(dense_layer_backward_s(DIM, DENSE_ROWS, calibration_reps, CALIBRATION_S))
-        result = {library: _run_library(library, ratios, reps, warmup, t_layer) for library in libraries}
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, result)
-        return gathered
-    finally:
-        dist.destroy_process_group()
+def _run_rank(libraries: Sequence[str], config: SweepConfig) -> dict:
+    """One rank's part, in the process group: its times per library, sweep point and variant."""
+    # Once, for every library, before any is imported.
+    t_layer = agreed_max(dense_layer_backward_s(DIM, DENSE_ROWS, config.calibration_reps, CALIBRATION_S))
+    return {library: _run_library(library, config, t_layer) for library in libraries}
 
 
 def report(results: list[dict], link: str, out: str, load: Summary | None = None) -> None:
@@ -281,38 +250,23 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
             f"{'/stock':>7} {'exposed ms':>10} {'efficiency':>10} {'ideal':>6} {'- compute ms':>12}"
         )
         rows.append(csv_row("comm", library, f"{CAPACITY} tokens x {DIM}d per expert, {link}", "t_comm_ms", comm, sha))
-        for index, point in enumerate(first["points"]):
-
-            def per_rank(variant: str, metric: str, index=index, library=library) -> list[list[float]]:
-                return [r[library]["points"][index]["samples"][variant][metric] for r in results]
-
-            def slowest(variant: str, metric: str) -> list[float]:
-                return [max(times) for times in zip(*per_rank(variant, metric), strict=True)]
-
-            compute = slowest("compute", "backward_s")
+        for point in merge_ranks([r[library]["points"] for r in results]):
+            samples = point["samples"]
+            compute = samples["compute"]["backward_s"]
             case = sweep_case(library, point["ratio"])
             size = f"{CAPACITY} tokens x {DIM}d per expert, {point['dense_layers']} dense layers, {link}"
-            stock_backward = statistics.median(slowest("stock", "backward_s"))
-            stock_step = statistics.median(slowest("stock", "step_s"))
+            stock_backward = statistics.median(samples["stock"]["backward_s"])
+            stock_step = statistics.median(samples["stock"]["step_s"])
             ideal = min(1.0, point["ratio"])
             for variant in TIMED_VARIANTS:
-                backward = slowest(variant, "backward_s")
+                backward = samples[variant]["backward_s"]
                 backward_summary = summarize([t * 1e3 for t in backward])
-                step_summary = summarize([t * 1e3 for t in slowest(variant, "step_s")])
+                step_summary = summarize([t * 1e3 for t in samples[variant]["step_s"]])
                 rows.append(csv_row(variant, case, size, "backward_ms", backward_summary, sha))
                 rows.append(csv_row(variant, case, size, "step_ms", step_summary, sha))
                 exposed_text = efficiency_text = over_text = ""
                 if variant != "compute":
-                    exposed = [
-                        exposed_past_the_slowest_rank(walls, blocked)
-                        for walls, blocked in zip(
-                            zip(*per_rank(variant, "backward_s"), strict=True),
-                            zip(*per_rank(variant, "blocked_s"), strict=True),
-                            strict=True,
-                        )
-                    ]
-                    exposed_ms = summarize([e * 1e3 for e in exposed])
-                    efficiency = summarize([1 - e / t_comm for e in exposed])
+                    exposed_ms, efficiency = exposure(samples[variant]["exposed_s"], t_comm)
                     # The same repetition's communication-free backward: what the step costs beyond it.
                     over = summarize([(b - c) * 1e3 for b, c in zip(backward, compute, strict=True)])
                     rows.append(csv_row(variant, case, size, "exposed_ms", exposed_ms, sha))
@@ -328,22 +282,14 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
                 )
     if load is not None:
         rows.append(csv_row("machine", "moe_sync", link, "runnable_tasks", load, sha))
-        print(f"runnable tasks while the ranks ran: {load} (the ranks make 2; more: other processes on the 2 cores)")
+    print_load(load)
     write_csv(out, rows)
     print(f"wrote {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions and sweep points")
-    parser.add_argument("--reps", type=int, help="timed repetitions of every variant")
-    parser.add_argument("--ratios", type=parse_ratios, help="dense backward / T_comm to sweep, e.g. 0.5,1,2")
-    parser.add_argument("--network", choices=MODES, default=MODES[0], help="where the 2 ranks run (default two-hosts)")
-    parser.add_argument("--out", default="results/moe_sync.csv", help="long-format CSV to write")
-    parser.add_argument(RANK_RESULTS_OPTION, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.reps is not None and args.reps < 2:
-        parser.error("--reps must be at least 2 (percentiles need two samples)")
+    parser = sweep_parser(__doc__, "moe_sync", quick_help="fewer repetitions and sweep points")
+    args = parse_sweep_args(parser, argv)
     libraries = installed_libraries()
     if not libraries:
         print(
@@ -351,26 +297,12 @@ def main(argv: list[str] | None = None) -> int:
             "(pip install torch==2.13.0 megatron-core==0.16.1 deepspeed==0.19.8)"
         )
         return 0
-    reps = args.reps or (8 if args.quick else 15)
-    ratios = args.ratios or (QUICK_RATIOS if args.quick else RATIOS)
-    # Calls of the calibration's stack of layers at least (_common.dense_layer_backward_s).
-    warmup, calibration_reps = (1, 25) if args.quick else (2, 31)
-    if args.rank_results is not None or "TORCHELASTIC_RUN_ID" in os.environ:
-        results = _run_rank(libraries, ratios, reps, warmup, calibration_reps)
-        if args.rank_results is not None:
-            write_rank_result(args.rank_results, results[int(os.environ["RANK"])])
-        elif os.environ["RANK"] == "0":
-            report(results, f"torchrun with {os.environ['WORLD_SIZE']} ranks", args.out)
-        leave_rank()
-    progress(
+    config = sweep_config(args, "moe_sync", quick_reps=8, reps=15)
+    announce = (
         f"moe_sync: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {', '.join(libraries)}, "
-        f"ratios {','.join(f'{r:g}' for r in ratios)}, {reps} repetitions"
+        f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
     )
-    forwarded = sys.argv[1:] if argv is None else list(argv)
-    with runnable_tasks() as load:
-        run = run_on_two_hosts(__file__, forwarded, mode=args.network)
-    report(run.results, run.network.label, args.out, load())
-    return 0
+    return run_sweep(__file__, args, argv, lambda: _run_rank(libraries, config), report, announce)
 
 
 # --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
@@ -380,47 +312,25 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
     """One row per library and engine variant. The headline is the sweep's mean overlap efficiency, beside the
     ideal's mean; backward and step time against stock are medians over the sweep."""
     libraries = dict.fromkeys(case.rpartition(" x")[0] for _, case in sweep_cases(rows, "stock", "efficiency"))
-    load = rows.get(("machine", "moe_sync", "runnable_tasks"))
     summary = []
     for library in libraries:
         points = [(r, case) for r, case in sweep_cases(rows, "stock", "efficiency") if case.startswith(library + " x")]
         link = rows[("stock", points[0][1], "backward_ms")]["size"].rpartition(", ")[2]
-        ideal = statistics.mean(min(1.0, ratio) for ratio, _ in points)
         t_comm = rows.get(("comm", library, "t_comm_ms"))
+        stock_note = "" if t_comm is None else f"; T_comm {t_comm['median']:.3g} ms" + load_note(rows, "moe_sync")
         for variant in (v for v in ENGINE_VARIANTS if (v, points[0][1], "efficiency") in rows):
-            efficiencies = [rows[(variant, case, "efficiency")]["median"] for _, case in points]
-
-            def against_stock(metric: str, variant=variant, points=points) -> float:
-                return statistics.median(
-                    rows[(variant, case, metric)]["median"] / rows[("stock", case, metric)]["median"]
-                    for _, case in points
-                )
-
-            mean_efficiency = statistics.mean(efficiencies)
-            values = {
-                "efficiency": mean_efficiency,
-                "ideal_efficiency": ideal,
-                "step_ratio": against_stock("step_ms"),
-                "ratio": against_stock("backward_ms"),
-                # The curve, for the plot.
-                **{f"efficiency x{ratio:g}": eff for (ratio, _), eff in zip(points, efficiencies, strict=True)},
-            }
-            per_point = ", ".join(f"x{ratio:g}: {eff:.2f}" for (ratio, _), eff in zip(points, efficiencies))
-            notes = f"step / stock {values['step_ratio']:.2f}; efficiency by dense/comm ratio {per_point}"
-            if variant == "stock" and t_comm is not None:
-                notes += f"; T_comm {t_comm['median']:.3g} ms"
-                if load is not None:
-                    notes += f"; runnable tasks {load['median']:g} (the ranks: 2)"
+            step = median_over_stock(rows, variant, points, "step_ms")
             summary.append(
-                SummaryRow(
+                sweep_summary_row(
                     "moe_sync",
                     f"{LIBRARY_NAMES.get(library, library)}, {link}",
                     variant,
-                    "stock",
-                    f"efficiency {mean_efficiency:.2f} (ideal {ideal:.2f})",
-                    f"{values['ratio']:.2f}",
-                    notes,
-                    values,
+                    rows,
+                    points,
+                    {"step_ratio": step, "ratio": median_over_stock(rows, variant, points, "backward_ms")},
+                    lead=f"step / stock {step:.2f}; ",
+                    exposed=False,
+                    stock_note=stock_note,
                 )
             )
     return summary

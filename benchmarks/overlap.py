@@ -28,14 +28,16 @@ not timed), the slowest rank's time counting for the step:
   compute(torch_ext) the same on torch_ext's engine: the compute of torch_ext and torch_ext(funcol)
                      (torch_ext's engine alone ran this graph's backward 2-7% faster than stock's)
   comm               the backward all_to_all alone, between the steps (reported; T_comm is stock's
-                     wait with no dense layer: _common.slowest_rank_samples)
+                     wait with no dense layer: _common.calibrate_t_comm)
 
 The all_to_all sends ``--payload-mib`` MiB to the other rank. The dense MLP's backward is swept over
-multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script times the all_to_all
-alone and one dense layer's backward (both ranks agree on the larger) and builds the depth that makes
-the dense backward ``ratio`` x T_comm. At each point, per repetition, exposed communication = the time the
-backward's thread was blocked (waiting for the all_to_all's bytes: ``_common.timed_blocking``), the slower
-rank's, and overlap efficiency = 1 - exposed / T_comm (stock's wait with no dense layer): 1 when the
+multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script measures T_comm and
+one dense layer's backward (both ranks agree on the larger) and builds the depth that makes the dense
+backward ``ratio`` x T_comm. At each point, per repetition, each rank's backward thread's blocked time is
+measured (waiting for the all_to_all's bytes: ``_common.timed_blocking``); exposed communication = the
+slowest rank's backward minus the longest time any rank spent unblocked in it
+(``_common.exposed_past_the_slowest_rank``: a rank's wait for the other to arrive is not communication), and
+overlap efficiency = 1 - exposed / T_comm (stock's wait with no dense layer, read the same way): 1 when the
 communication is completely hidden, 0 when it is fully exposed. Beside it, the backward's excess over its
 engine's compute variant (``over_compute_ms``): what the communication costs the step in all, noisier.
 Only the dense MLP can hide it (the embedding's backward needs its result), so the ideal is
@@ -63,9 +65,7 @@ and one of torch_ext under a tracer (stock: ``torch.profiler``, converted by ``s
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import importlib.util
+import dataclasses
 import json
 import os
 import statistics
@@ -79,31 +79,37 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from _common import (
+    CALIBRATION_S,
     Summary,
     SummaryRow,
+    SweepConfig,
+    calibrate_t_comm,
     csv_row,
     dense_layer_backward_s,
+    exposure,
     git_sha,
-    parse_ratios,
+    load_note,
+    median_over_stock,
+    merge_ranks,
+    parse_sweep_args,
     plot_efficiency_curves,
+    print_load,
+    print_t_comm,
     progress,
-    runnable_tasks,
-    slowest_rank_samples,
+    run_sweep,
+    scenario_and_link,
     summarize,
     sweep_case,
     sweep_cases,
+    sweep_config,
     sweep_depth,
+    sweep_parser,
+    sweep_summary_row,
     timed_blocking,
+    timed_repetitions,
     write_csv,
 )
-from _hosts import (
-    MODES,
-    RANK_RESULTS_OPTION,
-    agreed_max,
-    leave_rank,
-    run_on_two_hosts,
-    write_rank_result,
-)
+from _hosts import agreed_max
 from torch import nn
 
 import torch_ext
@@ -119,16 +125,6 @@ FEATURES = 16  # embedding lookups per sample
 HIDDEN = 256
 SPARSE_LAYERS = 3
 MAX_DENSE_LAYERS = 240
-# The dense backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
-RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
-QUICK_RATIOS = (0.5, 1.0, 2.0)
-# T_comm: how long stock's backward waits for the all_to_all with no dense layer to hide it behind, the slower
-# rank's (_common.slowest_rank_samples): the median of this many steps, after a few untimed ones (a process's first
-# all_to_all is slower: 1.5x in moe_sync.py). ~2 s.
-WARMUP_STEPS = 3
-# Seconds of calls one dense layer's calibration takes at least (_common.dense_layer_backward_s).
-CALIBRATION_S = 2.0
-COMM_CALIBRATION_REPS = 15
 # _set_sequence_nr boost, as PR #114120 suggests: above every sequence number a forward makes.
 SEQUENCE_NR_BOOST = 2**62
 
@@ -137,14 +133,9 @@ COLLECTIVE_VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)"
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(SweepConfig):
+    # The timeline_png, if any, draws stock's and torch_ext's backward.
     payload_mib: float
-    ratios: tuple[float, ...]
-    reps: int
-    warmup: int
-    calibration_reps: int
-    # Where rank 0 draws the stock and torch_ext timelines (None: not traced).
-    timeline_png: str | None = None
 
     @property
     def embedding_dim(self) -> int:
@@ -219,22 +210,23 @@ def _backward(loss: torch.Tensor, on_torch_ext: bool) -> None:
         loss.backward()
 
 
-def _timed_backward(loss: torch.Tensor, on_torch_ext: bool) -> tuple[float, float]:
-    """(seconds, seconds blocked) of the backward call, the ranks started together."""
+def _timed_backward(loss: torch.Tensor, on_torch_ext: bool) -> dict[str, float]:
+    """Seconds of the backward call and blocked in it, the ranks started together."""
     dist.barrier()
-    return timed_blocking(lambda: _backward(loss, on_torch_ext))
+    backward_s, blocked_s = timed_blocking(lambda: _backward(loss, on_torch_ext))
+    return {"backward_s": backward_s, "blocked_s": blocked_s}
 
 
-def _comm_only(dim: int) -> float:
+def _comm_only(dim: int) -> dict[str, float]:
     rows = torch.randn(BATCH * FEATURES, dim, requires_grad=True)
     exchanged = _funcol_exchange(rows)
     loss = (exchanged * 1.0).sum()
-    return _timed_backward(loss, on_torch_ext=False)[0]
+    return {"backward_s": _timed_backward(loss, on_torch_ext=False)["backward_s"]}
 
 
-def _step(model: Model, inputs, variant: str, dim: int) -> tuple[float, float]:
+def _step(model: Model, inputs, variant: str, dim: int) -> dict[str, float]:
     if variant == "comm":
-        return _comm_only(dim), 0.0
+        return _comm_only(dim)
     exchange, on_torch_ext = EXCHANGES[variant]
     model.zero_grad(set_to_none=True)
     loss = model(*inputs, exchange)
@@ -255,87 +247,49 @@ def _check_same_gradients(model: Model, inputs) -> None:
             raise AssertionError(f"{variant} computed different gradients from stock")
 
 
-def _time_point(model: Model, inputs, dim: int, config: Config) -> dict[str, dict[str, list[float]]]:
-    """At one sweep point, ``config.reps`` repetitions after the warm-up: ``times``, each variant's backward seconds;
-    ``blocked``, each collective variant's seconds blocked in them (its exposed communication)."""
-    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    blocked: dict[str, list[float]] = {variant: [] for variant in COLLECTIVE_VARIANTS}
-    for rep in range(config.warmup + config.reps):
-        # Alternate the variants within each repetition, rotating which goes first, so drift
-        # in the machine's load spreads evenly over them.
-        for variant in VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]:
-            elapsed, waited = _step(model, inputs, variant, dim)
-            if rep >= config.warmup:
-                times[variant].append(elapsed)
-                if variant in blocked:
-                    blocked[variant].append(waited)
-    return {"times": times, "blocked": blocked}
-
-
-def _run_rank(config: Config) -> list[dict]:
-    """One rank's part, started by torchrun (the process group from its environment): every rank's times per
-    sweep point and variant, in rank order (the step takes as long as the slowest rank: ``slowest_rank``)."""
-    torch.set_num_threads(1)  # two ranks may share two cores
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+def _run_rank(config: Config) -> dict:
+    """One rank's part, in the process group: its times per sweep point and variant (the step takes as long as the
+    slowest rank: _common.merge_ranks)."""
     rank = dist.get_rank()
-    try:
-        dim = config.embedding_dim
+    dim = config.embedding_dim
+    torch.manual_seed(rank)
+    probe, inputs = Model(dim, 0), (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))
+    comm_s = calibrate_t_comm(lambda: _step(probe, inputs, "stock", dim))
+    t_comm = statistics.median(comm_s)
+    t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps, CALIBRATION_S))
+    # The timeline is of the point nearest ratio 1, where the two orders differ most.
+    traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
+    # What bit-stable accumulation holds back while the engine runs producers out of stock's order.
+    torch_ext._C._held_gradient_stats(True)
+    points, timelines = [], None
+    for ratio in config.ratios:
+        dense_layers = sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS)
         torch.manual_seed(rank)
-        probe, inputs = Model(dim, 0), (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))
-        for _ in range(WARMUP_STEPS):
-            _step(probe, inputs, "stock", dim)
-        comm_s = slowest_rank_samples(lambda: _step(probe, inputs, "stock", dim)[1], COMM_CALIBRATION_REPS)
-        t_comm = statistics.median(comm_s)
-        t_layer = agreed_max(dense_layer_backward_s(HIDDEN, BATCH, config.calibration_reps, CALIBRATION_S))
-        # The timeline is of the point nearest ratio 1, where the two orders differ most.
-        traced_ratio = min(config.ratios, key=lambda ratio: abs(ratio - 1.0))
-        # What bit-stable accumulation holds back while the engine runs producers out of stock's order.
-        torch_ext._C._held_gradient_stats(True)
-        points, timelines = [], None
-        for ratio in config.ratios:
-            dense_layers = sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS)
-            torch.manual_seed(rank)
-            model = Model(dim, dense_layers)
-            inputs = (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))
-            _check_same_gradients(model, inputs)
-            points.append({"ratio": ratio, "dense_layers": dense_layers, **_time_point(model, inputs, dim, config)})
-            if config.timeline_png is not None and ratio == traced_ratio and timelines is None:
-                timelines = (_traced_timelines(model, inputs), dense_layers)
-        held = torch_ext._C._held_gradient_stats(True)
-        # Both ranks are past their last collective: a failure here must not leave the other waiting in one.
-        dist.barrier()
-        if rank == 0 and timelines is not None:
-            try:
-                _write_timelines(timelines[0], config.timeline_png, timelines[1], dim)
-            except Exception as error:  # noqa: BLE001 - the picture is optional, the timings are not
-                progress(f"overlap: warning: could not write the timeline {config.timeline_png}: {error!r}")
-        result = {
-            "points": points,
-            "dim": dim,
-            "calibration": {"comm_s": comm_s, "dense_layer_s": t_layer},
-            "held": held,
-        }
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, result)
-        return gathered
-    finally:
-        dist.destroy_process_group()
+        model = Model(dim, dense_layers)
+        inputs = (torch.randperm(BATCH * FEATURES), torch.randn(BATCH, HIDDEN))
+        _check_same_gradients(model, inputs)
 
+        def measure(variant: str, _rep: int, model=model, inputs=inputs) -> dict[str, float]:
+            return _step(model, inputs, variant, dim)
 
-def slowest_rank(results: list[dict]) -> dict:
-    """The ranks' results as one: each run takes as long as its slowest rank (the ranks run each together)."""
-    first = results[0]
-    points = []
-    for index, point in enumerate(first["points"]):
-        merged = {}
-        for key in ("times", "blocked"):
-            per_rank = [result["points"][index][key] for result in results]
-            merged[key] = {
-                name: [max(samples) for samples in zip(*(runs[name] for runs in per_rank), strict=True)]
-                for name in per_rank[0]
-            }
-        points.append({**point, **merged})
-    return {**first, "points": points}
+        samples = timed_repetitions(VARIANTS, measure, config.reps, config.warmup)
+        points.append({"ratio": ratio, "dense_layers": dense_layers, "samples": samples})
+        if config.timeline_png is not None and ratio == traced_ratio and timelines is None:
+            timelines = (_traced_timelines(model, inputs), dense_layers)
+    held = torch_ext._C._held_gradient_stats(True)
+    # Both ranks are past their last collective: a failure here must not leave the other waiting in one.
+    dist.barrier()
+    if rank == 0 and timelines is not None:
+        try:
+            _write_timelines(timelines[0], config.timeline_png, timelines[1], dim)
+        except Exception as error:  # noqa: BLE001 - the picture is optional, the timings are not
+            progress(f"overlap: warning: could not write the timeline {config.timeline_png}: {error!r}")
+    return {
+        "points": points,
+        "dim": dim,
+        "calibration": {"comm_s": comm_s, "dense_layer_s": t_layer},
+        "held": held,
+    }
 
 
 # --- timelines ----------------------------------------------------------------------------------
@@ -492,9 +446,12 @@ def _write_timelines(rows: list[tuple[str, list[dict]]], png_path: str, dense_la
 # --- report -------------------------------------------------------------------------------------
 
 
-def report(result: dict, link: str, out: str, load: Summary | None = None) -> None:
-    """Prints the table and writes the CSV; ``load``: the runnable tasks while the ranks ran, where known."""
+def report(results: list[dict], link: str, out: str, load: Summary | None = None) -> None:
+    """Prints the table and writes the CSV from every rank's result; ``load``: the runnable tasks while the ranks
+    ran, where known."""
     sha = git_sha()
+    # The calibration is the same on every rank (agreed, or from every rank's times); the held gradients rank 0's.
+    result = results[0]
     calibration = result["calibration"]
     print(
         f"\noverlap: {result['dim']}d x {BATCH * FEATURES} rows, {link}; calibration: T_comm "
@@ -505,29 +462,28 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
         f"{'ratio':>5} {'layers':>6} {'variant':<18} {'backward ms: median [p20-p80]':<30} {'/stock':>6} "
         f"{'exposed ms':>10} {'efficiency':>10} {'ideal':>5} {'- compute ms':>12}"
     )
-    # One T_comm for the sweep: stock's wait with no dense layer (_common.slowest_rank_samples says why not the
-    # comm variant).
+    # One T_comm for the sweep: stock's wait with no dense layer (_common.calibrate_t_comm says why not the comm
+    # variant).
     comm = summarize([t * 1e3 for t in calibration["comm_s"]])
     t_comm = comm.median / 1e3
     rows = [csv_row("comm", "overlap", f"{result['dim']}d x {BATCH * FEATURES} rows, {link}", "t_comm_ms", comm, sha)]
-    for point in result["points"]:
-        times = point["times"]
-        stock = statistics.median(times["stock"])
+    for point in merge_ranks([r["points"] for r in results]):
+        samples = point["samples"]
+        stock = statistics.median(samples["stock"]["backward_s"])
         ideal = min(1.0, point["ratio"])
         case = sweep_case("overlap", point["ratio"])
         size = f"{result['dim']}d x {BATCH * FEATURES} rows, {point['dense_layers']} dense layers, {link}"
         for variant in VARIANTS:
-            backward = summarize([t * 1e3 for t in times[variant]])
+            times = samples[variant]["backward_s"]
+            backward = summarize([t * 1e3 for t in times])
             rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
             exposed_text = efficiency_text = ideal_text = over_text = ""
             if variant in COLLECTIVE_VARIANTS:
-                exposed = point["blocked"][variant]
-                exposed_ms = summarize([e * 1e3 for e in exposed])
-                efficiency = summarize([1 - e / t_comm for e in exposed])
+                exposed_ms, efficiency = exposure(samples[variant]["exposed_s"], t_comm)
                 # The same repetition's compute-only backward on the same engine: what the step costs beyond it,
                 # the communication's exposed part and the slowdown it causes (noisy: two backward times' gap).
-                compute = times[_baseline(variant)]
-                over_compute = summarize([(b - c) * 1e3 for b, c in zip(times[variant], compute, strict=True)])
+                compute = samples[_baseline(variant)]["backward_s"]
+                over_compute = summarize([(b - c) * 1e3 for b, c in zip(times, compute, strict=True)])
                 rows.append(csv_row(variant, case, size, "exposed_ms", exposed_ms, sha))
                 rows.append(csv_row(variant, case, size, "efficiency", efficiency, sha))
                 rows.append(csv_row(variant, case, size, "over_compute_ms", over_compute, sha))
@@ -541,12 +497,8 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
     if load is not None:
         rows.append(csv_row("machine", "overlap", link, "runnable_tasks", load, sha))
     write_csv(out, rows)
-    print(
-        f"T_comm {comm} ms (stock's wait with no dense layer, {len(calibration['comm_s'])} steps; "
-        "efficiency = 1 - exposed / its median)"
-    )
-    if load is not None:
-        print(f"runnable tasks while the ranks ran: {load} (the ranks make 2; more: other processes on the 2 cores)")
+    print_t_comm(comm, len(calibration["comm_s"]))
+    print_load(load)
     held = result.get("held")
     if held is not None:
         # Gradients that reached a buffer ahead of stock's order wait there for their turn (issue #12).
@@ -558,68 +510,24 @@ def report(result: dict, link: str, out: str, load: Summary | None = None) -> No
     print(f"wrote {out}")
 
 
-def _config(args: argparse.Namespace) -> Config:
-    timeline_png = None
-    if args.timeline is not None:
-        if importlib.util.find_spec("matplotlib") is None:
-            progress("overlap: --timeline skipped: matplotlib is not installed (pip install 'torch_ext[bench]')")
-        else:
-            timeline_png = os.path.abspath(args.timeline)
-    return Config(
-        payload_mib=args.payload_mib or (2.0 if args.quick else 4.0),
-        ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
-        reps=args.reps or (12 if args.quick else 20),
-        warmup=1 if args.quick else 2,
-        # Calls of the calibration's stack of layers at least (_common.dense_layer_backward_s).
-        calibration_reps=25 if args.quick else 31,
-        timeline_png=timeline_png,
-    )
-
-
-def _rank_main(args: argparse.Namespace) -> None:
-    """A rank, started by torchrun: by run_on_two_hosts (``--rank-results``), or by a user on two machines,
-    where rank 0 reports."""
-    results = _run_rank(_config(args))
-    if args.rank_results is not None:
-        write_rank_result(args.rank_results, results[int(os.environ["RANK"])])
-    elif os.environ["RANK"] == "0":
-        report(slowest_rank(results), f"torchrun with {os.environ['WORLD_SIZE']} ranks", args.out)
-    # An exception above still exits with its traceback and status 1.
-    leave_rank()
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller payload, fewer repetitions and sweep points")
-    parser.add_argument("--reps", type=int, help="timed repetitions of every variant at every sweep point")
-    parser.add_argument("--ratios", type=parse_ratios, help="dense backward / T_comm to sweep, e.g. 0.5,1,2")
-    parser.add_argument("--payload-mib", type=float, help="MiB each rank sends the other (default 4; quick 2)")
-    parser.add_argument(
-        "--network",
-        choices=MODES,
-        default=MODES[0],
-        help="where the 2 ranks run (default two-hosts; what cannot be made falls back to the next)",
+    parser = sweep_parser(
+        __doc__,
+        "overlap",
+        quick_help="smaller payload, fewer repetitions and sweep points",
+        timeline_help="draw one traced backward of stock and of torch_ext",
     )
-    parser.add_argument("--out", default="results/overlap.csv", help="long-format CSV to write")
-    parser.add_argument("--timeline", metavar="PNG", help="draw one traced backward of stock and of torch_ext")
-    parser.add_argument(RANK_RESULTS_OPTION, help=argparse.SUPPRESS)  # set by the launcher on each rank
-    args = parser.parse_args(argv)
-    if args.reps is not None and args.reps < 2:
-        parser.error("--reps must be at least 2 (percentiles need two samples)")
-    # Started by torchrun (it sets TORCHELASTIC_RUN_ID): one of the ranks.
-    if args.rank_results is not None or "TORCHELASTIC_RUN_ID" in os.environ:
-        _rank_main(args)
-
-    config = _config(args)
-    progress(
+    parser.add_argument("--payload-mib", type=float, help="MiB each rank sends the other (default 4; quick 2)")
+    args = parse_sweep_args(parser, argv)
+    config = Config(
+        **dataclasses.asdict(sweep_config(args, "overlap", quick_reps=12, reps=20)),
+        payload_mib=args.payload_mib or (2.0 if args.quick else 4.0),
+    )
+    announce = (
         f"overlap: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {config.payload_mib:g} MiB each way, "
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions of {len(VARIANTS)} variants"
     )
-    forwarded = sys.argv[1:] if argv is None else list(argv)
-    with runnable_tasks() as load:
-        run = run_on_two_hosts(__file__, forwarded, mode=args.network)
-    report(slowest_rank(run.results), run.network.label, args.out, load())
-    return 0
+    return run_sweep(__file__, args, argv, lambda: _run_rank(config), report, announce)
 
 
 # --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
@@ -630,47 +538,22 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
     ideal's mean; backward time against stock is the median over the sweep."""
     points = sweep_cases(rows, "stock", "efficiency")
     # "<dim>d x <rows> rows, <n> dense layers, <link>": the link (whether anything can overlap) names the case.
-    scenario, _, link = rows[("stock", points[0][1], "backward_ms")]["size"].rpartition(", ")
-    scenario = scenario.rpartition(", ")[0]
-    ideal = statistics.mean(min(1.0, ratio) for ratio, _ in points)
+    scenario, link = scenario_and_link(rows[("stock", points[0][1], "backward_ms")]["size"])
     t_comm = rows[("comm", "overlap", "t_comm_ms")]["median"]
-    summary = []
-    for variant in (v for v in COLLECTIVE_VARIANTS if (v, points[0][1], "efficiency") in rows):
-        efficiencies = [rows[(variant, case, "efficiency")]["median"] for _, case in points]
-        exposed = [rows[(variant, case, "exposed_ms")]["median"] for _, case in points]
-        backward_ratios = [
-            rows[(variant, case, "backward_ms")]["median"] / rows[("stock", case, "backward_ms")]["median"]
-            for _, case in points
-        ]
-        mean_efficiency = statistics.mean(efficiencies)
-        values = {
-            "efficiency": mean_efficiency,
-            "ideal_efficiency": ideal,
-            "exposed_ms": statistics.mean(exposed),
-            "ratio": statistics.median(backward_ratios),
-            # The curve, for the plot.
-            **{f"efficiency x{ratio:g}": eff for (ratio, _), eff in zip(points, efficiencies, strict=True)},
-        }
-        per_point = ", ".join(f"x{ratio:g}: {eff:.2f}" for (ratio, _), eff in zip(points, efficiencies, strict=True))
-        notes = f"efficiency by dense/comm ratio {per_point}; exposed {values['exposed_ms']:.1f} ms on average"
-        if variant == "stock":
-            notes += f"; T_comm {t_comm:.3g} ms, {scenario}"
-            load = rows.get(("machine", "overlap", "runnable_tasks"))
-            if load is not None:
-                notes += f"; runnable tasks {load['median']:g} (the ranks: 2)"
-        summary.append(
-            SummaryRow(
-                "overlap",
-                link,
-                variant,
-                "stock",
-                f"efficiency {mean_efficiency:.2f} (ideal {ideal:.2f})",
-                f"{values['ratio']:.2f}",
-                notes,
-                values,
-            )
+    stock_note = f"; T_comm {t_comm:.3g} ms, {scenario}" + load_note(rows, "overlap")
+    return [
+        sweep_summary_row(
+            "overlap",
+            link,
+            variant,
+            rows,
+            points,
+            {"ratio": median_over_stock(rows, variant, points, "backward_ms")},
+            stock_note=stock_note,
         )
-    return summary
+        for variant in COLLECTIVE_VARIANTS
+        if (variant, points[0][1], "efficiency") in rows
+    ]
 
 
 def plot(rows: Sequence[SummaryRow], figure) -> None:
