@@ -27,10 +27,11 @@ level at its start. The profiler turns on RecordFunction callbacks for both engi
 Each graph is built afresh from the same seed for every call. Per graph: stock ``--runs`` times;
 torch_ext ``--runs`` times with its plan cache off (every call discovers its plan, as a structure's
 first call does); then torch_ext with the cache cleared and on, three times, the third replaying the
-plan the first two made (checked from ``_plan_cache_stats``). All gradients must be torch.equal to
-stock's, or the script fails. ``repeats`` says whether stock's runs and torch_ext's first-call runs
-each gave one figure. torch_ext's first call in a process allocates a 4-byte tensor it keeps for good
-(its driver node's input, csrc/engine/host_task.cpp); one unmeasured call of each engine comes first.
+plan the first two made (checked from ``_plan_cache_stats``). All gradients must be identical to
+stock's (torch_ext.testing.identity_difference), or the script fails. ``repeats`` says whether stock's runs
+and torch_ext's first-call runs each gave one figure. torch_ext's first call in a process allocates a 4-byte
+tensor it keeps for good (its driver node's input, csrc/engine/host_task.cpp); one unmeasured call of each
+engine comes first.
 
 The long-format CSV has, per graph, metric ``peak_bytes`` for ``stock``, ``torch_ext`` (first calls) and
 ``torch_ext_replayed``: median, 20th and 80th percentile over the runs (all three equal when the runs repeat).
@@ -53,6 +54,7 @@ from torch import nn
 import torch_ext
 from torch_ext import _C
 from torch_ext.memory import PeakMemory
+from torch_ext.testing import identity_difference
 
 # A structure's plan is kept from its second call on: the third call is the first replay.
 FIRST_REPLAY = 3
@@ -191,12 +193,6 @@ def measure(build: Callable[[], Graph], engine: Engine) -> Measured:
     return Measured(memory.peak_bytes, gradients)
 
 
-def same_gradients(expected: Measured, got: Measured) -> bool:
-    return len(expected.gradients) == len(got.gradients) and all(
-        torch.equal(a, b) for a, b in zip(expected.gradients, got.gradients, strict=True)
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Row:
     graph: str
@@ -230,8 +226,10 @@ def measure_graph(name: str, build: Callable[[], Graph], runs: int) -> Row:
         replays.append(measure(build, TORCH_EXT))
         if (_C._plan_cache_stats(False)["hits"] > hits) != (call == FIRST_REPLAY):
             raise SystemExit(f"{name}: call {call} did not replay as expected ({_C._plan_cache_stats(False)})")
-    if not all(same_gradients(stock_runs[0], ours) for ours in first_calls + replays):
-        raise SystemExit(f"{name}: torch_ext's gradients differ from stock's")
+    for ours in first_calls + replays:
+        difference = identity_difference(ours.gradients, stock_runs[0].gradients)
+        if difference is not None:
+            raise SystemExit(f"{name}: torch_ext's gradients differ from stock's: gradients{difference}")
     return Row(
         name,
         stock_peaks=tuple(run.peak_bytes for run in stock_runs),

@@ -5,8 +5,8 @@ node has run, a node's outputs once delivered), so no graph should need more mem
 under stock's engine. Every graph (benchmarks/backward_memory.py's) is built twice from the same seed,
 and one engine call runs on each copy: ``torch.autograd.backward``/``grad`` (stock) and
 ``torch_ext.backward``/``grad``. Asserted per graph: torch_ext's peak is at most stock's, and the
-gradients are torch.equal; the same for the third call of a structure, which replays the plan torch_ext
-cached from the first two. Two graphs given a priority exceed stock's peak by one gradient
+gradients are identical (torch_ext.testing.assert_identical); the same for the third call of a structure,
+which replays the plan torch_ext cached from the first two. Two graphs given a priority exceed stock's peak by one gradient
 (EXCEEDS_STOCK, marked xfail with the figures).
 
 Method (torch_ext/memory.py): the CPU allocator's running total of live bytes, reported to the memory
@@ -26,12 +26,13 @@ import torch
 import torch_ext
 from torch_ext import _C, bench
 from torch_ext.memory import PeakMemory
+from torch_ext.testing import assert_identical
 
 # The graphs, the two engines and the measurement are the benchmark's (benchmarks/backward_memory.py).
 backward_memory = bench.benchmark_module("backward_memory")
 FIRST_REPLAY, PRIORITY = backward_memory.FIRST_REPLAY, backward_memory.PRIORITY
 STOCK, TORCH_EXT = backward_memory.STOCK, backward_memory.TORCH_EXT
-measure, same_gradients = backward_memory.measure, backward_memory.same_gradients
+measure = backward_memory.measure
 GRAPHS = {name: case.build for name, case in backward_memory.GRAPHS.items()}
 
 # Graphs whose torch_ext peak exceeds stock's, with the measured figures: both come from a priority,
@@ -84,7 +85,7 @@ def fresh_plan_cache():
 def test_peak_is_at_most_stocks(build):
     stock = measure(build, STOCK)
     ours = measure(build, TORCH_EXT)
-    assert same_gradients(stock, ours)
+    assert_identical(ours.gradients, stock.gradients, "gradients")
     assert ours.peak_bytes <= stock.peak_bytes, (ours.peak_bytes, stock.peak_bytes)
 
 
@@ -96,7 +97,7 @@ def test_replayed_plan_peak_is_at_most_stocks(build):
         ours = measure(build, TORCH_EXT)
         replayed = _C._plan_cache_stats(False)["hits"] > hits
         assert replayed == (call == FIRST_REPLAY), call
-        assert same_gradients(stock, ours)
+        assert_identical(ours.gradients, stock.gradients, f"call {call}'s gradients")
         assert ours.peak_bytes <= stock.peak_bytes, (call, ours.peak_bytes, stock.peak_bytes)
 
 
