@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import queue
-import threading
-from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,24 +70,74 @@ def _describe(fingerprint: tuple) -> str:
     name, position, identity, ranks, gradients = fingerprint
     where = "" if ranks is None else f" on ranks {list(ranks)}"
     shapes = ", ".join("nested" if g is None else f"{g[1]}{list(g[0])}" for g in gradients)
-    return f"#{position} {name} (forward's collective #{identity}){where} given ({shapes})"
+    return f"#{position} {name} (forward's collective #{identity} on its group){where} given ({shapes})"
+
+
+def _shared_with(fingerprints: list[tuple], rank: int) -> list[tuple]:
+    """What ``rank`` must agree on with this rank: the collectives on groups it is in (a group whose ranks are
+    unknown counts as everyone's), in this rank's order, without their place in this rank's whole sequence
+    (collectives on groups ``rank`` is not in may come between), and the end of backward."""
+    shared = []
+    for fingerprint in fingerprints[:-1]:
+        name, _, identity, ranks, gradients = fingerprint
+        if ranks is None or ranks[0] == -1 or rank in ranks:
+            shared.append((name, identity, ranks, gradients))
+    return [*shared, ("end of backward", len(shared))]
+
+
+def _digest(value: object) -> int:
+    # repr of tuples of str, int and None is the same in every process, unlike hash() of a str.
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _with_identities_per_group(collectives: list[tuple[Any, int, list]]) -> list[tuple]:
+    """The fingerprints, each collective's identity its index among the call's collectives on its group in creation
+    order (the engine gives the index among all of them): a rank with more collectives on a group another rank is
+    not in does not shift the identities they share."""
+    ranks = [_group_ranks(node) for node, _, _ in collectives]
+    by_group: dict = {}
+    for index, (_, created, _) in enumerate(collectives):
+        by_group.setdefault(ranks[index], []).append((created, index))
+    identity = [0] * len(collectives)
+    for members in by_group.values():
+        for place, (_, index) in enumerate(sorted(members)):
+            identity[index] = place
+    fingerprints = [
+        _fingerprint(node, position, identity[position], gradients)
+        for position, (node, _, gradients) in enumerate(collectives)
+    ]
+    return [*fingerprints, _fingerprint(None, len(collectives), -1, None)]
+
+
+@dataclass
+class _Exchange:
+    """One call's exchange in flight: its digests' all_gather, and what naming a mismatch needs."""
+
+    group: Any
+    fingerprints: list[tuple]
+    digests: torch.Tensor
+    gathered: list[torch.Tensor]
+    work: Any
+    # The first wait's outcome: None while not waited on, "" when the ranks agree, else the mismatch.
+    outcome: str | None = None
 
 
 class _Checker:
     """The checker the engine calls (csrc/collectives/collective_nodes.cpp): ``begin`` with a call's collective
     sequence when its plan is made, on the thread running backward; ``wait`` before the call's first collective
-    starts (on that thread or a lane's) and before the call returns. Both with the GIL.
+    or hook runs (on that thread or a lane's) and when the call ends, however it ends. Both with the GIL.
 
-    The exchange runs on a worker thread of the checker's own, one call's after another in the order the calls
-    began (the same on every rank), so the engine thread never waits for the other ranks to arrive: only the
-    thread that starts the first collective waits, and a lane would wait for them in that collective anyway.
+    Two ranks must agree on the collectives of the groups they share, in order: ranks of an expert-parallel
+    group on its all_to_alls, but not on another EP group's. So each rank sends, for every rank, a digest of its
+    sequence as that rank must see it (:func:`_shared_with`), and rank r agrees with rank q when r's digest for q
+    is q's digest for r. ``begin`` starts that asynchronous all_gather and returns: the engine thread never waits
+    for the other ranks to arrive. The exchanges are started in the order the calls begin, on the calling
+    thread, which is the same on every rank.
     """
 
     def __init__(self, group: Any | None, timeout: datetime.timedelta | None) -> None:
         self._group = group
         self._timeout = timeout
-        self._exchanges: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
         self.exchanges = 0
 
     def _check_group(self) -> Any:
@@ -103,65 +151,67 @@ class _Checker:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         return self._group
 
-    def begin(self, collectives: list[tuple[Any, int, list]]) -> Future:
-        """Starts comparing one call's collective sequence, ``(node, identity, expected gradients)`` in the order
-        the call will start them, with the other ranks'; returns what ``wait`` takes."""
-        fingerprints = [
-            _fingerprint(node, position, identity, gradients)
-            for position, (node, identity, gradients) in enumerate(collectives)
-        ]
-        fingerprints.append(_fingerprint(None, len(collectives), -1, None))
-        # Made here, on the calling thread: new_group is itself collective, in program order.
+    def begin(self, collectives: list[tuple[Any, int, list]]) -> _Exchange:
+        """Starts comparing one call's collective sequence, ``(node, creation index, expected gradients)`` in the
+        order the call will start them, with the other ranks'; returns what ``wait`` takes."""
+        fingerprints = _with_identities_per_group(collectives)
         group = self._check_group()
-        pending: Future = Future()
-        self._exchanges.put((pending, group, fingerprints))
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._exchange_forever, name="torch_ext order check", daemon=True)
-            self._worker.start()
-        return pending
-
-    def wait(self, pending: Future) -> None:
-        """Raises the mismatch ``begin``'s exchange found, the same message on every rank."""
-        mismatch = pending.result()
-        if mismatch is not None:
-            raise RuntimeError(mismatch)
-
-    def _exchange_forever(self) -> None:
-        while True:
-            pending, group, fingerprints = self._exchanges.get()
-            try:
-                pending.set_result(self._exchange(group, fingerprints))
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
-                pending.set_exception(error)
-
-    def _exchange(self, group: Any, fingerprints: list[tuple]) -> str | None:
-        # One all_gather of an 8-byte digest when the ranks agree (all_gather_object is two collectives and a
-        # pickle); the fingerprints themselves only to name a mismatch, which every rank sees in the digests, so
-        # every rank's worker takes part, whatever its engine thread is doing.
-        digest = hashlib.blake2b(repr(fingerprints).encode(), digest_size=8).digest()
-        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-        digests = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(digests, mine, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        digests = torch.tensor([_digest(_shared_with(fingerprints, rank)) for rank in ranks], dtype=torch.int64)
+        gathered = [torch.empty_like(digests) for _ in ranks]
+        work = dist.all_gather(gathered, digests, group=group, async_op=True)
         self.exchanges += 1
-        if all(torch.equal(theirs, mine) for theirs in digests):
-            return None
-        gathered: list = [None] * len(digests)
-        dist.all_gather_object(gathered, fingerprints, group=group)
-        for position in range(max(len(theirs) for theirs in gathered)):
-            at_position = [theirs[min(position, len(theirs) - 1)] for theirs in gathered]
-            if any(theirs != at_position[0] for theirs in at_position):
-                return _mismatch_message(dist.get_process_group_ranks(group), gathered, position)
-        # Equal fingerprints with unequal digests cannot happen: repr is deterministic.
-        raise AssertionError("torch_ext: the order check's digests differ but its fingerprints agree")
+        return _Exchange(group, fingerprints, digests, gathered, work)
+
+    def wait(self, exchange: _Exchange) -> None:
+        """Raises the mismatch ``begin``'s exchange found, the same message on every rank. The engine calls it for
+        every exchange it began, also when the call failed first: a mismatch is named with a second exchange that
+        every rank takes part in."""
+        if exchange.outcome is None:
+            exchange.work.wait()
+            matrix = torch.stack(exchange.gathered)  # [r][q]: rank r's digest for rank q
+            exchange.outcome = "" if torch.equal(matrix, matrix.T) else self._name_mismatch(exchange)
+        if exchange.outcome:
+            raise RuntimeError(exchange.outcome)
+
+    @staticmethod
+    def _name_mismatch(exchange: _Exchange) -> str:
+        gathered: list = [None] * len(exchange.gathered)
+        dist.all_gather_object(gathered, exchange.fingerprints, group=exchange.group)
+        ranks = dist.get_process_group_ranks(exchange.group)
+        for i, rank in enumerate(ranks):
+            for j in range(i + 1, len(ranks)):
+                mine, theirs = _shared_with(gathered[i], ranks[j]), _shared_with(gathered[j], rank)
+                for place in range(max(len(mine), len(theirs))):
+                    ours = mine[min(place, len(mine) - 1)], theirs[min(place, len(theirs) - 1)]
+                    if ours[0] != ours[1]:
+                        return _mismatch_message((rank, ranks[j]), (gathered[i], gathered[j]), ours, place)
+        # Equal sequences with unequal digests cannot happen: repr is deterministic. (A 64-bit digest hides a
+        # divergence with probability 2^-64.)
+        raise AssertionError("torch_ext: the order check's digests differ but the ranks' collectives agree")
 
 
-def _mismatch_message(ranks: list[int], gathered: list[list[tuple]], position: int) -> str:
-    lines = [f"torch_ext: the ranks disagree on collective #{position} of this backward (collective order check):"]
-    for rank, theirs in zip(ranks, gathered, strict=True):
-        lines.append(f"  rank {rank}: {_describe(theirs[min(position, len(theirs) - 1)])}")
-    lines.append("each rank's collectives before it:")
-    for rank, theirs in zip(ranks, gathered, strict=True):
-        lines.append(f"  rank {rank}: " + ("; ".join(_describe(f) for f in theirs[:position]) or "none"))
+def _position(shared: tuple, sequence: list[tuple]) -> tuple:
+    """The full fingerprint of ``shared`` (one of :func:`_shared_with`'s) in ``sequence``."""
+    if shared[0] == "end of backward":
+        return sequence[-1]
+    name, identity, ranks, gradients = shared
+    return next(f for f in sequence[:-1] if (f[0], f[2], f[3], f[4]) == (name, identity, ranks, gradients))
+
+
+def _mismatch_message(pair: tuple[int, int], sequences: tuple[list, list], shared: tuple, place: int) -> str:
+    lines = [
+        (
+            f"torch_ext: the ranks disagree on collective #{place} of this backward on the groups ranks {pair[0]} "
+            f"and {pair[1]} share (collective order check):"
+        )
+    ]
+    for rank, sequence, fingerprint in zip(pair, sequences, shared, strict=True):
+        lines.append(f"  rank {rank}: {_describe(_position(fingerprint, sequence))}")
+    lines.append("each rank's collectives on those groups before it:")
+    for rank, other, sequence in zip(pair, reversed(pair), sequences, strict=True):
+        before = [_describe(_position(f, sequence)) for f in _shared_with(sequence, other)[:place]]
+        lines.append(f"  rank {rank}: " + ("; ".join(before) or "none"))
     lines.append(
         "Issued, these would hang or mix up data. A graph or a priority that differs by rank (data-dependent "
         "routing, set_priority called on one rank) reorders them."

@@ -622,6 +622,13 @@ void CollectiveOrderCheck::await() {
   }
 }
 
+void CollectiveOrderCheck::complete_after_error() noexcept {
+  try {
+    await();
+  } catch (...) {
+  }
+}
+
 void raise_if_interrupted() {
   pybind11::gil_scoped_acquire gil;
   if (PyErr_CheckSignals() != 0) {

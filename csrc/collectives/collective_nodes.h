@@ -120,6 +120,9 @@ class CollectiveOrderCheck {
   // the same on every rank). Safe from any thread, called without the GIL;
   // only the first call waits, later ones rethrow its result.
   void await();
+  // After the call failed: completes the exchange all the same (every rank
+  // takes part in naming a mismatch), raising nothing.
+  void complete_after_error() noexcept;
 
  private:
   std::mutex mutex_;

@@ -349,6 +349,12 @@ class BackwardCall {
   // sequence, awaited before the first collective starts (shared with the
   // lanes, which may start it) and before the call returns.
   std::shared_ptr<CollectiveOrderCheck> order_check_;
+  // Whether this thread has seen the ranks agree (the engine thread asks no
+  // more after that).
+  bool order_check_passed_ = false;
+  // Awaits the order check's verdict if `slot` starts a collective on this
+  // thread or has a hook; the run loops call it until it has passed.
+  void await_order_check_before(int32_t slot);
   int32_t next_in_sequence_ = 0;
   // Nodes of the sequence that became ready before their turn.
   std::vector<int32_t> parked_;

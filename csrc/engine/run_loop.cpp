@@ -192,8 +192,8 @@ void BackwardCall::run(Node* host_node) {
       // queue's pop (callgrind: +10 instructions per node untraced).
       while (!ready_.empty()) {
         running = ready_.pop();
-        if (order_check_ != nullptr && plan_.slots[running].collective) {
-          order_check_->await();
+        if (order_check_ != nullptr && !order_check_passed_) {
+          await_order_check_before(running);
         }
         if (traced) {
           execute_node</*kTraced=*/true>(running);
@@ -218,6 +218,9 @@ void BackwardCall::run(Node* host_node) {
       // Before anything else: a lane may still be running a node of this
       // call. Its queued nodes are dropped.
       lanes_->stop();
+    }
+    if (order_check_ != nullptr) {
+      order_check_->complete_after_error();
     }
     wait_pending_after_error();
     record_held_gradients();
@@ -278,6 +281,20 @@ void BackwardCall::unpark() {
   }
 }
 
+void BackwardCall::await_order_check_before(int32_t slot) {
+  const NodeSlot& node = plan_.slots[slot];
+  // A hook may communicate (DDP's all_reduce, FSDP's reduce-scatter, a
+  // user's), on any group: none runs before the ranks agree, or a divergence
+  // would leave that group out of step on the ranks whose hook got there
+  // first. A lane node's collective awaits the verdict on its lane instead
+  // (dispatch_to_lane); its hooks run here.
+  if (AccumulationBatch::has_hooks(*node.fn) ||
+      (node.collective && !runs_in_lane(slot))) {
+    order_check_->await();
+    order_check_passed_ = true;
+  }
+}
+
 template <bool kTraced>
 void BackwardCall::run_with_lanes() {
   build_collective_sequence();
@@ -311,13 +328,8 @@ void BackwardCall::run_with_lanes() {
       parked_.push_back(slot);
       continue;
     }
-    if (sequence_place_[slot] != kNoSlot && order_check_ != nullptr &&
-        !runs_in_lane(slot)) {
-      // The ranks agree on the call's collectives before any of them issues
-      // one: a mismatch raises here on every rank, where it would hang or mix
-      // up data later. Waits only before the first; a lane node awaits it on
-      // its lane (dispatch_to_lane).
-      order_check_->await();
+    if (order_check_ != nullptr && !order_check_passed_) {
+      await_order_check_before(slot);
     }
     try {
       if (runs_in_lane(slot)) {

@@ -254,7 +254,7 @@ def test_a_swap_of_same_shaped_collectives_raises_on_every_rank(results, library
     message = messages[0]
     assert "the ranks disagree on collective #0" in message
     # Same kind on both ranks; forward's first on one, its second on the other.
-    assert "(forward's collective #0)" in message and "(forward's collective #1)" in message
+    assert "(forward's collective #0 on its group)" in message and "(forward's collective #1 on its group)" in message
     assert message.count("float32[4, 6]") >= 2
     for rank, result in enumerate(results):
         after = result[f"{library}_swap_after"]
@@ -269,7 +269,10 @@ def test_split_backward_passes_are_checked(results):
     messages = [result["split_swap"]["error"] for result in results]
     assert all(message is not None for message in messages), messages
     assert messages[0] == messages[1]
-    assert "(forward's collective #0)" in messages[0] and "(forward's collective #1)" in messages[0]
+    assert (
+        "(forward's collective #0 on its group)" in messages[0]
+        and "(forward's collective #1 on its group)" in messages[0]
+    )
     for rank, result in enumerate(results):
         agree = result["split_agree"]
         assert agree["error"] is None, (rank, agree["error"])
