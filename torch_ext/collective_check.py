@@ -168,7 +168,14 @@ class _Checker:
         every exchange it began, also when the call failed first: a mismatch is named with a second exchange that
         every rank takes part in."""
         if exchange.outcome is None:
-            exchange.work.wait()
+            try:
+                exchange.work.wait()
+            except Exception as error:
+                error.add_note(
+                    "torch_ext: raised by the collective order check's exchange (over its own group), before any "
+                    "collective of this backward started: a rank is gone or did not reach this backward in time"
+                )
+                raise
             matrix = torch.stack(exchange.gathered)  # [r][q]: rank r's digest for rank q
             exchange.outcome = "" if torch.equal(matrix, matrix.T) else self._name_mismatch(exchange)
         if exchange.outcome:
