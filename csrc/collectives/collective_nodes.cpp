@@ -647,6 +647,12 @@ std::exception_ptr name_collective_node_in_error(
     std::rethrow_exception(error);
   } catch (python_error& e) {
     pybind11::gil_scoped_acquire gil;
+    if (e.type != nullptr) {
+      // An error set from C (pybind11's translation of a c10::Error, as
+      // gloo's) is fetched unnormalized: its value may be the message, not
+      // the exception, which has no add_note.
+      PyErr_NormalizeException(&e.type, &e.value, &e.traceback);
+    }
     if (e.value != nullptr) {
       THPObjectPtr note(PyUnicode_FromString(where.c_str()));
       THPObjectPtr added(

@@ -255,6 +255,10 @@ def test_a_killed_peer_ends_the_survivors_backward_with_an_error(through, tmp_pa
         assert survivor["order"] == ["launch", "w", "wait"], survivor["order"]
         assert survivor["raised_in"][-1] == TORCHREC_WAIT, survivor["raised_in"]
         assert re.search("Connection (reset|closed) by peer", survivor["error"]), survivor["error"]
+        # The note naming the node, as a lane node's error has.
+        assert (
+            "raised by All2All_Pooled_ReqBackward, a collective node, on torch_ext's engine thread" in survivor["error"]
+        )
         _assert_dense_grads_are_stocks(survivor)
 
 
@@ -294,5 +298,6 @@ def test_a_collective_that_times_out_raises_within_the_group_timeout(through, tm
         assert early["order"] == ["launch", "w", "wait"], early["order"]
         assert early["raised_in"][-1] == TORCHREC_WAIT, early["raised_in"]
         assert f"Timed out waiting {GROUP_TIMEOUT_S * 1000}ms" in early["error"], early["error"]
+        assert "raised by All2All_Pooled_ReqBackward, a collective node, on torch_ext's engine thread" in early["error"]
         _assert_dense_grads_are_stocks(early)
     assert early["threads_left"] <= 0 and early["next_backward"], early
