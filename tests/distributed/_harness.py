@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from torch.autograd.profiler_util import EventList
 
 import torch_ext
+from torch_ext import testing
 
 WORLD_SIZE = 2
 # Whole run, both ranks: spawning costs ~7 s on 2 cores, each case about a second.
@@ -81,32 +82,8 @@ def assert_torch_ext_matches_stock(rank_results: list[dict], case_name: str) -> 
 
 
 def assert_identical(actual, expected, where: str) -> None:
-    """Nested dicts/lists of tensors, numbers and None are equal, tensors bit for bit (torch.equal)."""
-    if isinstance(expected, Mapping):
-        assert isinstance(actual, Mapping) and actual.keys() == expected.keys(), f"{where}: keys differ"
-        for key, value in expected.items():
-            assert_identical(actual[key], value, f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), (
-            f"{where}: lengths differ:\n{_shallow_repr(actual)}\n!=\n{_shallow_repr(expected)}"
-        )
-        for index, (ours, theirs) in enumerate(zip(actual, expected, strict=True)):
-            assert_identical(ours, theirs, f"{where}[{index}]")
-    elif isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__} is not a tensor"
-        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), (
-            f"{where}: {actual.dtype}{list(actual.shape)} != {expected.dtype}{list(expected.shape)}"
-        )
-        assert torch.equal(actual, expected), f"{where}: max abs diff {(actual - expected).abs().max().item()}"
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
-
-
-def _shallow_repr(value) -> str:
-    """A list's items (such as profiler event names), or just its type and length if it holds tensors."""
-    if isinstance(value, (list, tuple)) and not any(isinstance(item, (torch.Tensor, Mapping)) for item in value):
-        return repr(value)
-    return f"{type(value).__name__} of {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
+    """torch_ext.testing.assert_identical: nested results equal bit for bit, dtypes, shapes and strides too."""
+    testing.assert_identical(actual, expected, where)
 
 
 def run_ranks(
