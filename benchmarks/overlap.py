@@ -23,6 +23,8 @@ not timed), the slowest rank's time counting for the step:
                      wait at first use)
   torch_ext(funcol)  PyTorch's functional all_to_all on torch_ext's engine: priority alone, the
                      functional op still waits inside its node
+  torch_ext(funcol lane)  the same, its op declared with ``torch_ext.run_in_lane``: the node runs on its
+                     group's lane beside the dense MLP
   compute            the same graph with the all_to_all replaced by a local copy (no communication),
                      stock engine: the compute of stock and stock+seq_nr
   compute(torch_ext) the same on torch_ext's engine: the compute of torch_ext and torch_ext(funcol)
@@ -128,8 +130,11 @@ MAX_DENSE_LAYERS = 240
 # _set_sequence_nr boost, as PR #114120 suggests: above every sequence number a forward makes.
 SEQUENCE_NR_BOOST = 2**62
 
-VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)", "compute", "compute(torch_ext)", "comm")
-COLLECTIVE_VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)")
+COLLECTIVE_VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)", "torch_ext(funcol lane)")
+VARIANTS = (*COLLECTIVE_VARIANTS, "compute", "compute(torch_ext)", "comm")
+# The variants that declare PyTorch's functional all_to_all to a lane (process-wide, so toggled per step).
+FUNCOL_LANE_VARIANTS = ("torch_ext(funcol lane)",)
+FUNCOL_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single
 
 
 @dataclass(frozen=True)
@@ -193,9 +198,18 @@ EXCHANGES = {
     "stock+seq_nr": (_boosted_funcol_exchange, False),
     "torch_ext": (_torch_ext_exchange, True),
     "torch_ext(funcol)": (_funcol_exchange, True),
+    "torch_ext(funcol lane)": (_funcol_exchange, True),
     "compute": (_local_exchange, False),
     "compute(torch_ext)": (_local_exchange, True),
 }
+
+
+def _declare_funcol_lane(variant: str) -> None:
+    """run_in_lane for PyTorch's functional all_to_all for the variants that ask for it, undone for the others."""
+    if variant in FUNCOL_LANE_VARIANTS:
+        torch_ext.run_in_lane(FUNCOL_ALL_TO_ALL)
+    else:
+        torch_ext.unregister_collective_backward(FUNCOL_ALL_TO_ALL)
 
 
 def _baseline(variant: str) -> str:
@@ -228,6 +242,7 @@ def _step(model: Model, inputs, variant: str, dim: int) -> dict[str, float]:
     if variant == "comm":
         return _comm_only(dim)
     exchange, on_torch_ext = EXCHANGES[variant]
+    _declare_funcol_lane(variant)
     model.zero_grad(set_to_none=True)
     loss = model(*inputs, exchange)
     return _timed_backward(loss, on_torch_ext)
@@ -238,6 +253,7 @@ def _check_same_gradients(model: Model, inputs) -> None:
     reference = None
     for variant in COLLECTIVE_VARIANTS:
         exchange, on_torch_ext = EXCHANGES[variant]
+        _declare_funcol_lane(variant)
         model.zero_grad(set_to_none=True)
         _backward(model(*inputs, exchange), on_torch_ext)
         grads = [p.grad.clone() for p in model.parameters()]

@@ -41,6 +41,8 @@ own.
 
 from __future__ import annotations
 
+import functools
+import gc
 from collections.abc import Iterable
 from typing import Literal
 
@@ -183,18 +185,46 @@ def register_collective_backward(*, launches: FunctionClasses = (), waits: Funct
         _C.set_collective_role(node_class, _WAIT)
 
 
-def unregister_collective_backward(*functions: type) -> None:
-    """Treats the backward nodes of ``functions`` (Function classes) as ordinary nodes from now on.
+def _is_op(item: object) -> bool:
+    return isinstance(item, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def _overload(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> torch._ops.OpOverload:
+    return op.default if isinstance(op, torch._ops.OpOverloadPacket) else op
+
+
+@functools.cache
+def _generated_function(op: torch._ops.OpOverload, api: str) -> type:
+    """The autograd Function torch.library.register_autograd generated for ``op`` (an OpOverload, or a packet's
+    default), found among live classes by the name it gives it (torch/_library/autograd.py): it is held only by
+    the op's autograd kernel, for good, so the scan (tens of ms) is made once per op."""
+    name = f"GeneratedBackwardFor_{op._namespace}_{op._opname}_{op._overloadname}"
+    # issubclass(type(...)): isinstance would ask every object for its __class__, which some answer with a warning.
+    found = [obj for obj in gc.get_objects() if issubclass(type(obj), type) and obj.__name__ == name]
+    if not found:
+        raise ValueError(
+            f"torch_ext.{api}: {op} has no autograd formula registered with torch.library.register_autograd "
+            "(for PyTorch's functional collectives, import torch.distributed._functional_collectives first)"
+        )
+    return found[-1]
+
+
+def unregister_collective_backward(*functions: type | torch._ops.OpOverload) -> None:
+    """Treats the backward nodes of ``functions`` (Function classes) as ordinary nodes from now on; for an op
+    declared with :func:`torch_ext.run_in_lane`, gives its backward node back its built-in role.
 
     Also overrides torch_ext's built-in knowledge: ``unregister_collective_backward(All2All_Pooled_Wait,
     All2All_Pooled_Req)`` leaves TorchRec's pooled all_to_all in stock order.
     """
     api = "unregister_collective_backward"
-    node_classes = _node_classes(functions, "functions", api)
-    if not node_classes:
+    node_classes = _node_classes([f for f in functions if not _is_op(f)], "functions", api)
+    ops = [_generated_function(_overload(f), api)._backward_cls for f in functions if _is_op(f)]
+    if not node_classes and not ops:
         raise ValueError(f"torch_ext.{api}: give at least one Function class")
     for node_class in node_classes:
         _C.set_collective_role(node_class, _NONE)
+    for node_class in ops:
+        _C.set_collective_role(node_class, _builtin_role(node_class))
 
 
 def collective_role(

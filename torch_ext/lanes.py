@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from torch_ext._loader import _C
-from torch_ext.collectives import _LANE, FunctionClasses, _node_classes
+from torch_ext.collectives import _LANE, FunctionClasses, _generated_function, _is_op, _node_classes, _overload
 
 # Backward node class -> how to find its process group from the node's ctx.
 _GROUP_OF: dict[type, Callable[[Any], Any]] = {}
@@ -62,15 +62,23 @@ def _group_attribute(ctx: Any) -> Any:
     return getattr(ctx, "group", None)
 
 
-def run_in_lane(*functions: FunctionClasses, group_of: Callable[[Any], Any] | None = None) -> None:
+def _functional_collective_group(ctx: Any) -> Any:
+    # _c10d_functional's formulas save the group by name (torch/distributed/_functional_collectives.py).
+    return dist.distributed_c10d._resolve_process_group(ctx.group_name)
+
+
+def run_in_lane(*functions: FunctionClasses | Any, group_of: Callable[[Any], Any] | None = None) -> None:
     """Declares that the backward of ``functions`` may run beside the rest of backward, on a lane.
 
     Args:
         functions: autograd Function classes whose backward node runs one synchronous collective
-            (Megatron-core's or DeepSpeed's ``_AllToAll``), or their backward node classes.
+            (Megatron-core's or DeepSpeed's ``_AllToAll``), or their backward node classes; or ops whose
+            ``torch.library`` autograd formula runs one, such as PyTorch's functional all_to_all,
+            ``torch.ops._c10d_functional.all_to_all_single`` (what ``all_to_all_single_autograd``, DTensor
+            and torchtitan call: its backward issues the collective and waits for it inside the node).
         group_of: ``group_of(ctx) -> ProcessGroup | None``, the process group a node's collective
-            runs on, given its ctx. By default ``ctx.group``, as both libraries save it; None means
-            the default group.
+            runs on, given its ctx. By default ``ctx.group``, as both libraries save it (for a
+            ``_c10d_functional`` op, the group its formula saved by name); None means the default group.
 
     Only for Functions whose group nothing else communicates on while backward runs (see the
     module's documentation): the engine keeps the order of the collectives it knows of the same on
@@ -80,11 +88,17 @@ def run_in_lane(*functions: FunctionClasses, group_of: Callable[[Any], Any] | No
     api = "run_in_lane"
     if group_of is not None and not callable(group_of):
         raise TypeError(f"torch_ext.{api}: group_of must be callable (ctx -> ProcessGroup), got {group_of!r}")
-    node_classes = _node_classes(functions, "functions", api)
-    if not node_classes:
-        raise ValueError(f"torch_ext.{api}: give at least one Function class")
-    for node_class in node_classes:
-        _GROUP_OF[node_class] = group_of or _group_attribute
+    ops = [_overload(f) for f in functions if _is_op(f)]
+    classes = [f for f in functions if not _is_op(f)]
+    declared = [(node_class, group_of or _group_attribute) for node_class in _node_classes(classes, "functions", api)]
+    for op in ops:
+        node_class = _generated_function(op, api)._backward_cls
+        default = _functional_collective_group if op.namespace == "_c10d_functional" else _group_attribute
+        declared.append((node_class, group_of or default))
+    if not declared:
+        raise ValueError(f"torch_ext.{api}: give at least one Function class or op")
+    for node_class, find_group in declared:
+        _GROUP_OF[node_class] = find_group
         _C.set_collective_role(node_class, _LANE)
 
 
