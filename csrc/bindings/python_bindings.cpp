@@ -5,10 +5,12 @@
 // torch_ext.Engine can stand in for torch.autograd's execution engine; the
 // request builder (backward_request.h) checks them as stock does.
 
+#include "bindings/python_collectives.h"
 #include "bindings/python_engine_info.h"
+#include "bindings/python_request.h"
 #include "bindings/python_split.h"
-#include "collectives/collective_nodes.h"
-#include "engine/backward_request.h"
+#include "engine/backward_call.h"
+#include "engine/host_callbacks.h"
 #include "engine/schedule_replay.h"
 #include "engine/trace.h"
 
@@ -131,7 +133,7 @@ PyObject* py_run_backward(
     return nullptr;
   }
   const bool grad_api_called = !accumulate_grad && inputs != nullptr;
-  auto results = run(request_from_python(
+  auto results = run_releasing_gil(request_from_python(
       tensors,
       grad_tensors,
       inputs,
@@ -213,7 +215,7 @@ PyObject* py_run_backward_implicit(
       0,
       THPVariable_Wrap(at::ones_like(tensor, at::MemoryFormat::Preserve)));
   StashedContext stashed_context;
-  auto results = run(request_from_python(
+  auto results = run_releasing_gil(request_from_python(
       outputs.get(),
       gradients.get(),
       args[3],
@@ -347,38 +349,6 @@ PyObject* py_defer_wait(PyObject* /*module*/, PyObject* tensor) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* py_set_auto_collective_priority(
-    PyObject* /*module*/,
-    PyObject* enabled) {
-  HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(
-      PyBool_Check(enabled),
-      "set_auto_collective_priority expects a bool, got ",
-      Py_TYPE(enabled)->tp_name);
-  set_auto_collective_priority(enabled == Py_True);
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* py_auto_collective_priority(
-    PyObject* /*module*/,
-    PyObject* /*unused*/) {
-  return PyBool_FromLong(auto_collective_priority());
-}
-
-PyObject* py_is_collective_node(PyObject* /*module*/, PyObject* node) {
-  HANDLE_TH_ERRORS
-  return PyBool_FromLong(is_collective_node(*checked_node_of(node)));
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* py_remember_python_node_type(PyObject* /*module*/, PyObject* node) {
-  HANDLE_TH_ERRORS
-  remember_python_node_type(*checked_node_of(node));
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
 // Copies a node's forward stack (and parent chain) for anomaly mode's report.
 void copy_anomaly_metadata(Node& from, Node& to) {
   pybind11::gil_scoped_acquire gil;
@@ -442,25 +412,6 @@ PyMethodDef methods[] = {
      "defer_wait(result) -> bool: from a collective's backward formula, hand "
      "its in-flight result to the engine to wait on at first use; False when "
      "not running as a torch_ext node (the caller must wait)."},
-    {"set_auto_collective_priority",
-     py_set_auto_collective_priority,
-     METH_O,
-     "set_auto_collective_priority(enabled): switch collectives' automatic "
-     "priority."},
-    {"auto_collective_priority",
-     py_auto_collective_priority,
-     METH_NOARGS,
-     "auto_collective_priority() -> bool."},
-    {"remember_python_node_type",
-     py_remember_python_node_type,
-     METH_O,
-     "remember_python_node_type(node): the grad_fn of a Python "
-     "autograd.Function, so the engine can recognise collectives' nodes."},
-    {"is_collective_node",
-     py_is_collective_node,
-     METH_O,
-     "is_collective_node(node) -> bool: whether the engine prioritises the "
-     "node as a collective."},
     {"backward_input",
      py_backward_input,
      METH_VARARGS,
@@ -507,15 +458,18 @@ PyModuleDef module_def = {
 } // namespace torch_ext
 
 PyMODINIT_FUNC PyInit__C() {
-  torch_ext::set_anomaly_metadata_copier(torch_ext::copy_anomaly_metadata);
+  // Python's answers to the engine's questions (engine/host_callbacks.h),
+  // before any backward can run.
+  torch_ext::HostCallbacks python;
+  torch_ext::fill_collective_callbacks(python);
+  torch_ext::fill_split_callbacks(python);
+  python.copy_anomaly_metadata = torch_ext::copy_anomaly_metadata;
+  torch_ext::install_host_callbacks(python);
   PyObject* module = PyModule_Create(&torch_ext::module_def);
   if (module != nullptr &&
       (!torch_ext::init_split_bindings(module) ||
-       !torch_ext::init_engine_info_bindings(module))) {
-    Py_DECREF(module);
-    return nullptr;
-  }
-  if (module != nullptr && !torch_ext::init_collective_bindings(module)) {
+       !torch_ext::init_engine_info_bindings(module) ||
+       !torch_ext::init_collective_bindings(module))) {
     Py_DECREF(module);
     return nullptr;
   }

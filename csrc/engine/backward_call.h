@@ -5,8 +5,10 @@
 // backward inside a node, reentrant checkpoint) and calls from other threads
 // never share state.
 
-#include "collectives/collective_nodes.h"
+#include "engine/call_options.h"
 #include "engine/graph_plan.h"
+#include "engine/host_callbacks.h"
+#include "engine/host_task.h"
 #include "engine/scheduler.h"
 #include "engine/trace.h"
 
@@ -23,18 +25,10 @@
 
 namespace torch_ext {
 
-struct CallOptions {
-  bool keep_graph = false;
-  bool create_graph = false;
-  // backward() (true) writes .grad through AccumulateGrad; grad() (false)
-  // captures the gradients of `inputs` and returns them.
-  bool accumulate_grad = true;
-};
-
 class AccumulationBatch;
 class CollectiveLanes;
 
-class BackwardCall {
+class BackwardCall final : public HostedRun {
  public:
   BackwardCall(
       edge_list roots,
@@ -77,7 +71,7 @@ class BackwardCall {
   // Discovers the graph and runs every node that must run, on the calling
   // thread. Must be called inside a stock graph task (the host task), from
   // its node `host_node`.
-  void run(Node* host_node);
+  void run(Node* host_node) override;
 
   // grad(): the captured gradient of each input, undefined where none arrived.
   variable_list take_captured() {
@@ -86,7 +80,7 @@ class BackwardCall {
 
   // The node whose error is propagating out of run(), if any; the host task
   // reports it in anomaly mode in place of the driver.
-  Node* failed_node() const {
+  Node* failed_node() const override {
     return failed_node_;
   }
 
@@ -138,7 +132,8 @@ class BackwardCall {
   // not replay.
   bool uses_lanes() const {
     return (plan_.has_lanes ||
-            (plan_.has_collectives && collective_check_enabled())) &&
+            (plan_.has_collectives &&
+             host_callbacks().collective_check_enabled())) &&
         plan_.seeds_roots && !plan_.resumes_kept_nodes && kept_ == nullptr &&
         batch_ == nullptr;
   }

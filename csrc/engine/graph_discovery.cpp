@@ -5,8 +5,8 @@
 // nodes must run for grad() / backward(inputs=)), over slot indices instead of
 // Node* hash maps.
 
-#include "collectives/collective_nodes.h"
 #include "engine/graph_plan.h"
+#include "engine/host_callbacks.h"
 
 #include <algorithm>
 #include <limits>
@@ -72,10 +72,10 @@ class PlanBuilder {
       // Recognised whether or not they get the automatic priority: a call
       // with collectives may defer their waits or run their wait nodes late,
       // and so must know stock's delivery order (schedule_replay.h).
-      const CollectiveRole role = collective_role(*fn);
+      const CollectiveRole role = host_callbacks().collective_role(*fn);
       if (is_launch(role)) {
         plan_.slots[slot].collective = true;
-        plan_.slots[slot].defers_wait = defers_its_wait(*fn);
+        plan_.slots[slot].defers_wait = host_callbacks().defers_its_wait(*fn);
         plan_.has_collectives = true;
         if (role == CollectiveRole::kLane) {
           plan_.slots[slot].runs_in_lane = true;

@@ -116,7 +116,7 @@ struct NodeSlot {
   // ExecInfo::needed_).
   bool needed = true;
   // The backward of a collective, prioritised automatically
-  // (collective_nodes.h).
+  // (collectives/collective_role.h).
   bool collective = false;
   // A collective whose backward hands its result over in flight
   // (BackwardCall::defer_wait_to_first_use): torch_ext's own ops.
@@ -124,8 +124,9 @@ struct NodeSlot {
   // A synchronous collective declared to run beside the rest: the call hands
   // its apply() to the lane of its process group (collective_lane.h).
   bool runs_in_lane = false;
-  // The node waits for a collective's communication (collective_nodes.h):
-  // it is queued behind every other ready node of its priority.
+  // The node waits for a collective's communication
+  // (collectives/collective_role.h): it is queued behind every other ready node
+  // of its priority.
   bool collective_wait = false;
   // A gradient delivered to this node is a collective's result still in
   // flight (BackwardCall::defer_wait_to_first_use); wait before reading it.

@@ -5,10 +5,9 @@
 // (Engine::evaluate_function and call_function in engine.cpp.)
 
 #include "collectives/collective_lane.h"
-#include "collectives/collective_nodes.h"
 #include "engine/backward_call.h"
 #include "engine/batched_accumulation.h"
-#include "engine/needs_input_grad.h"
+#include "engine/host_callbacks.h"
 #include "engine/running_node.h"
 
 #include <ATen/DeviceAccelerator.h>
@@ -210,8 +209,6 @@ class RunningNodeScope {
   const RunningNode* previous_;
 };
 
-NeedsInputGradHooks needs_input_grad_hooks;
-
 // ctx.needs_input_grad of a custom Python Function, narrowed for the pass
 // while the node runs (GraphPlan::narrows_needs_input_grad).
 class NarrowedNeedsInputGrad {
@@ -219,12 +216,10 @@ class NarrowedNeedsInputGrad {
   NarrowedNeedsInputGrad(Node& fn, bool narrow)
       : fn_(fn),
         token_(
-            narrow && needs_input_grad_hooks.narrow != nullptr
-                ? needs_input_grad_hooks.narrow(fn)
-                : nullptr) {}
+            narrow ? host_callbacks().narrow_needs_input_grad(fn) : nullptr) {}
   ~NarrowedNeedsInputGrad() {
     if (token_ != nullptr) {
-      needs_input_grad_hooks.restore(fn_, token_);
+      host_callbacks().restore_needs_input_grad(fn_, token_);
     }
   }
   NarrowedNeedsInputGrad(const NarrowedNeedsInputGrad&) = delete;
@@ -272,10 +267,6 @@ int32_t begin_node_event(
 
 const RunningNode* running_node_now() {
   return running_node;
-}
-
-void set_needs_input_grad_hooks(NeedsInputGradHooks hooks) {
-  needs_input_grad_hooks = hooks;
 }
 
 const BackwardCall* BackwardCall::running_call() {
@@ -591,7 +582,7 @@ void BackwardCall::execute_node(int32_t index) {
     // readers wait on it through their input buffers' events.
     // Its group is not needed (one side stream per device), but asking
     // refuses one the engine can see is unsafe, as on CPU.
-    lane_group_key(fn);
+    host_callbacks().lane_group_key(fn);
     node_stream = move_to_side_stream(*node_stream, inputs.buffer);
     node_stream_guard.reset_stream(*node_stream);
   }
@@ -683,7 +674,7 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
   Node& fn = *slot.fn;
   // Asked first: a group the engine can see is unsafe raises here, before
   // any hook of the node has run.
-  const uintptr_t group = lane_group_key(fn);
+  const uintptr_t group = host_callbacks().lane_group_key(fn);
   InputBuffer inputs = take_buffer(slot);
   LaneNode& lane_node = in_lane_[index];
   if (trace_ != nullptr) {
@@ -732,7 +723,8 @@ void BackwardCall::finish_lane_node(
       lane_node.trace_event);
   if (error) {
     failed_node_ = &fn;
-    std::rethrow_exception(name_lane_node_in_error(std::move(error), fn));
+    std::rethrow_exception(
+        host_callbacks().name_lane_node_in_error(std::move(error), fn));
   }
   c10::AutogradState::set_tls_state(task_autograd_state_);
   c10::impl::_force_tls_local_dispatch_key_set(task_dispatch_keys_);

@@ -2,7 +2,7 @@
 
 #include "engine/plan_cache.h"
 
-#include "collectives/collective_nodes.h"
+#include "engine/host_callbacks.h"
 #include "engine/schedule_replay.h"
 
 #include <algorithm>
@@ -150,11 +150,12 @@ bool rebind(
         (fn->topological_nr() >= min_topo_nr) != slot.expanded) {
       return false;
     }
-    const CollectiveRole role = collective_role(*fn);
+    const CollectiveRole role = host_callbacks().collective_role(*fn);
     if (is_launch(role) != slot.collective ||
         (role == CollectiveRole::kLane) != slot.runs_in_lane ||
         (role == CollectiveRole::kWait) != slot.collective_wait ||
-        (slot.collective && defers_its_wait(*fn) != slot.defers_wait)) {
+        (slot.collective &&
+         host_callbacks().defers_its_wait(*fn) != slot.defers_wait)) {
       return false;
     }
     if (t.key.has_priorities &&

@@ -4,7 +4,6 @@
 // BackwardDriver (host_task.cpp).
 
 #include "collectives/collective_lane.h"
-#include "collectives/collective_nodes.h"
 #include "engine/backward_call.h"
 #include "engine/batched_accumulation.h"
 #include "engine/current_node.h"
@@ -249,7 +248,8 @@ void BackwardCall::run_with_lanes() {
   lanes_ = std::make_unique<CollectiveLanes>();
   // Ctrl-C while the engine waits for a lane (the collective releases the
   // GIL; the engine thread holds none).
-  const std::function<void()> check_interrupt = [] { raise_if_interrupted(); };
+  const std::function<void()> check_interrupt =
+      host_callbacks().raise_if_interrupted;
   while (true) {
     if (lanes_->busy()) {
       // Waits only when nothing else is ready to run.
@@ -276,11 +276,16 @@ void BackwardCall::run_with_lanes() {
       parked_.push_back(slot);
       continue;
     }
-    if (sequence_place_[slot] != kNoSlot && collective_check_enabled()) {
+    if (sequence_place_[slot] != kNoSlot &&
+        host_callbacks().collective_check_enabled()) {
       // The ranks agree on this collective before any of them issues it: a
       // mismatch raises here on every rank, where it would hang later.
       const NodeSlot& node = plan_.slots[slot];
-      check_collective(*node.fn, sequence_place_[slot], buffer_of(node).buffer);
+      CollectiveCheck check;
+      check.node = node.fn;
+      check.position = sequence_place_[slot];
+      check.inputs = &buffer_of(node).buffer;
+      host_callbacks().check_collective(check);
     }
     try {
       if (runs_in_lane(slot)) {
@@ -299,8 +304,10 @@ void BackwardCall::run_with_lanes() {
       unpark();
     }
   }
-  if (collective_check_enabled()) {
-    check_end_of_collectives(next_in_sequence_);
+  if (host_callbacks().collective_check_enabled()) {
+    CollectiveCheck end_of_collectives;
+    end_of_collectives.position = next_in_sequence_;
+    host_callbacks().check_collective(end_of_collectives);
   }
   // Every node of the sequence ran: nothing the plan runs is left parked.
   TORCH_INTERNAL_ASSERT(

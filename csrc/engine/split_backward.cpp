@@ -4,12 +4,11 @@
 // runs the weight subgraph. The executor runs both like any plan.
 
 #include "engine/split_backward.h"
+#include "engine/backward_request.h"
+#include "engine/batched_accumulation.h"
 #include "engine/host_task.h"
 #include "engine/schedule_replay.h"
 
-#include "engine/batched_accumulation.h"
-
-#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/input_metadata.h>
 
@@ -387,14 +386,7 @@ InputPassResult backward_input(
     const variable_list& weights,
     bool keep_graph,
     bool allow_unused) {
-  torch::autograd::validate_outputs(
-      roots,
-      root_grads,
-      [](const std::string& msg) { return msg; });
-  if (roots.size() != 1) {
-    // Stock's GraphRoot takes a sequence number (see run_backward).
-    at::sequence_number::get_and_increment();
-  }
+  prepare_roots(roots, root_grads);
 
   auto state = std::make_shared<SplitState>();
   state->weights = weights;

@@ -1,4 +1,10 @@
-#include "collectives/collective_nodes.h"
+// The Python side of collectives: which node classes are collectives (the
+// role cache, the built-in rules' decider and explicit registrations), the
+// questions the engine asks torch_ext.lanes and torch_ext.collective_check
+// (installed as HostCallbacks), and their torch_ext._C bindings.
+
+#include "bindings/python_collectives.h"
+#include "bindings/python_request.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_function.h>
@@ -16,8 +22,6 @@
 
 namespace torch_ext {
 namespace {
-
-std::atomic<bool> auto_priority_enabled{true};
 
 // PyNode's type_info. libtorch_python does not export it (typeid(PyNode)
 // fails to link), so torch_ext learns it from a live PyNode at import
@@ -359,6 +363,153 @@ CollectiveRole role_of_class(PyTypeObject* node_class) {
   return decide_role(node_class);
 }
 
+// HostCallbacks::collective_role.
+CollectiveRole python_collective_role(const Node& fn) {
+  const std::type_info* python_node =
+      python_node_type.load(std::memory_order_relaxed);
+  // Address comparison: the one type_info object of PyNode lives in
+  // libtorch_python (this library cannot even name it), while
+  // type_info::operator== falls back to strcmp on the mangled names, which
+  // share their first 16 characters across torch's autograd nodes.
+  if (python_node == nullptr || &typeid(fn) != python_node) {
+    return CollectiveRole::kNone;
+  }
+  // Read without the GIL: a PyNode's Python object (its THPFunction) lives
+  // as long as the node, and so does its class.
+  PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
+  if (obj == nullptr) {
+    return CollectiveRole::kNone;
+  }
+  return role_of_class(Py_TYPE(obj));
+}
+
+// HostCallbacks::defers_its_wait.
+bool python_defers_its_wait(const Node& fn) {
+  // Only discovery calls this, for a node it found to be a launch (a PyNode),
+  // once per launch node: a handful per call.
+  const PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
+  constexpr std::string_view kOwnOps = "GeneratedBackwardFor_torch_ext_";
+  return obj != nullptr &&
+      std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) ==
+      kOwnOps;
+}
+
+// HostCallbacks::lane_group_key: asks torch_ext.lanes with the GIL, which
+// also refuses a group the engine can see is unsafe (DDP reducing on it).
+uintptr_t python_lane_group_key(const Node& fn) {
+  pybind11::gil_scoped_acquire gil;
+  TORCH_INTERNAL_ASSERT(
+      lane_group_resolver != nullptr,
+      "torch_ext.lanes is not imported");
+  PyObject* ctx = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
+  TORCH_INTERNAL_ASSERT(ctx != nullptr);
+  THPObjectPtr group(PyObject_CallOneArg(lane_group_resolver, ctx));
+  if (!group) {
+    throw python_error();
+  }
+  // The group outlives the call: the node's ctx holds it (ctx.group), or it
+  // is the default group. torch_ext.lanes holds it only weakly, so that
+  // destroy_process_group can free it (test_clean_exit.py says why).
+  return reinterpret_cast<uintptr_t>(group.get());
+}
+
+bool python_collective_check_enabled() {
+  return collective_check_on.load(std::memory_order_relaxed);
+}
+
+// HostCallbacks::check_collective: the checker is called as
+// fn(node, position, inputs), with node and inputs None at the end.
+void python_check_collective(const CollectiveCheck& check) {
+  pybind11::gil_scoped_acquire gil;
+  if (collective_checker == nullptr) {
+    return; // switched off since the call started
+  }
+  THPObjectPtr node;
+  THPObjectPtr gradients;
+  if (check.node == nullptr) {
+    node = Py_NewRef(Py_None);
+    gradients = Py_NewRef(Py_None);
+  } else {
+    const Node& fn = *check.node;
+    // Collective nodes are Python Functions' (collective_role); another node
+    // would be named by its name() alone.
+    PyObject* ctx =
+        &typeid(fn) == python_node_type.load(std::memory_order_relaxed)
+        ? static_cast<const torch::autograd::PyNode&>(fn).pyobj()
+        : nullptr;
+    node = ctx != nullptr ? Py_NewRef(ctx)
+                          : PyUnicode_FromString(fn.name().c_str());
+    const variable_list& inputs = *check.inputs;
+    gradients = PyList_New(static_cast<Py_ssize_t>(inputs.size()));
+    if (!node || !gradients) {
+      throw python_error();
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      PyObject* gradient = inputs[i].defined() ? THPVariable_Wrap(inputs[i])
+                                               : Py_NewRef(Py_None);
+      if (gradient == nullptr) {
+        throw python_error();
+      }
+      PyList_SET_ITEM(gradients.get(), static_cast<Py_ssize_t>(i), gradient);
+    }
+  }
+  THPObjectPtr checked(PyObject_CallFunction(
+      collective_checker,
+      "OiO",
+      node.get(),
+      static_cast<int>(check.position),
+      gradients.get()));
+  if (!checked) {
+    throw python_error();
+  }
+}
+
+// HostCallbacks::raise_if_interrupted. Python runs signal handlers on the
+// main thread only, so elsewhere this does nothing.
+void python_raise_if_interrupted() {
+  pybind11::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) {
+    throw python_error();
+  }
+}
+
+// HostCallbacks::name_lane_node_in_error: a note on a Python exception (its
+// type and message stay the node's own), context on a c10::Error.
+std::exception_ptr python_name_lane_node_in_error(
+    std::exception_ptr error,
+    const Node& fn) {
+  const std::string where =
+      "raised by " + fn.name() + " in its torch_ext collective lane";
+  try {
+    std::rethrow_exception(error);
+  } catch (python_error& e) {
+    pybind11::gil_scoped_acquire gil;
+    if (e.value != nullptr) {
+      THPObjectPtr note(PyUnicode_FromString(where.c_str()));
+      THPObjectPtr added(
+          note ? PyObject_CallMethod(e.value, "add_note", "O", note.get())
+               : nullptr);
+      if (!added) {
+        PyErr_Clear(); // the node's own error matters more than the note
+      }
+    }
+  } catch (c10::Error& e) {
+    e.add_context(where);
+  } catch (...) {
+  }
+  return error;
+}
+
+// `example` is the node of a Python autograd.Function (a PyNode), whose type
+// collective_role must recognise.
+void remember_python_node_type(const Node& example) {
+  TORCH_CHECK(
+      std::string_view(typeid(example).name()) == "N5torch8autograd6PyNodeE",
+      "remember_python_node_type: expected the node of a Python autograd.Function, got ",
+      example.name());
+  python_node_type.store(&typeid(example), std::memory_order_relaxed);
+}
+
 PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
   HANDLE_TH_ERRORS
   if (PyType_Check(node_or_class)) {
@@ -373,7 +524,7 @@ PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
   CollectiveRole role = CollectiveRole::kNone;
   if (node) {
     pybind11::gil_scoped_release no_gil; // as discovery calls it
-    role = collective_role(*node);
+    role = python_collective_role(*node);
   }
   return PyLong_FromLong(static_cast<long>(role));
   END_HANDLE_TH_ERRORS
@@ -413,6 +564,39 @@ PyObject* py_collective_role_cache_size(
   return PyLong_FromSize_t(role_cache().size());
 }
 
+PyObject* py_set_auto_collective_priority(
+    PyObject* /*module*/,
+    PyObject* enabled) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(
+      PyBool_Check(enabled),
+      "set_auto_collective_priority expects a bool, got ",
+      Py_TYPE(enabled)->tp_name);
+  set_auto_collective_priority(enabled == Py_True);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_auto_collective_priority(
+    PyObject* /*module*/,
+    PyObject* /*unused*/) {
+  return PyBool_FromLong(auto_collective_priority());
+}
+
+PyObject* py_is_collective_node(PyObject* /*module*/, PyObject* node) {
+  HANDLE_TH_ERRORS
+  return PyBool_FromLong(
+      is_launch(python_collective_role(*checked_node_of(node))));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_remember_python_node_type(PyObject* /*module*/, PyObject* node) {
+  HANDLE_TH_ERRORS
+  remember_python_node_type(*checked_node_of(node));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef collective_methods[] = {
     {"set_collective_role",
      py_set_collective_role,
@@ -444,160 +628,37 @@ PyMethodDef collective_methods[] = {
      py_collective_role_cache_size,
      METH_NOARGS,
      "_collective_role_cache_size() -> number of node classes whose role is cached."},
+    {"set_auto_collective_priority",
+     py_set_auto_collective_priority,
+     METH_O,
+     "set_auto_collective_priority(enabled): switch collectives' automatic "
+     "priority."},
+    {"auto_collective_priority",
+     py_auto_collective_priority,
+     METH_NOARGS,
+     "auto_collective_priority() -> bool."},
+    {"remember_python_node_type",
+     py_remember_python_node_type,
+     METH_O,
+     "remember_python_node_type(node): the grad_fn of a Python "
+     "autograd.Function, so the engine can recognise collectives' nodes."},
+    {"is_collective_node",
+     py_is_collective_node,
+     METH_O,
+     "is_collective_node(node) -> bool: whether the engine prioritises the "
+     "node as a collective."},
     {nullptr, nullptr, 0, nullptr}};
 
 } // namespace
 
-CollectiveRole collective_role(const torch::autograd::Node& fn) {
-  const std::type_info* python_node =
-      python_node_type.load(std::memory_order_relaxed);
-  // Address comparison: the one type_info object of PyNode lives in
-  // libtorch_python (this library cannot even name it), while
-  // type_info::operator== falls back to strcmp on the mangled names, which
-  // share their first 16 characters across torch's autograd nodes.
-  if (python_node == nullptr || &typeid(fn) != python_node) {
-    return CollectiveRole::kNone;
-  }
-  // Read without the GIL: a PyNode's Python object (its THPFunction) lives
-  // as long as the node, and so does its class.
-  PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
-  if (obj == nullptr) {
-    return CollectiveRole::kNone;
-  }
-  return role_of_class(Py_TYPE(obj));
-}
-
-bool defers_its_wait(const torch::autograd::Node& fn) {
-  // Only discovery calls this, for a node it found to be a launch (a PyNode),
-  // once per launch node: a handful per call.
-  const PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
-  constexpr std::string_view kOwnOps = "GeneratedBackwardFor_torch_ext_";
-  return obj != nullptr &&
-      std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) ==
-      kOwnOps;
-}
-
-uintptr_t lane_group_key(const torch::autograd::Node& fn) {
-  pybind11::gil_scoped_acquire gil;
-  TORCH_INTERNAL_ASSERT(
-      lane_group_resolver != nullptr,
-      "torch_ext.lanes is not imported");
-  PyObject* ctx = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
-  TORCH_INTERNAL_ASSERT(ctx != nullptr);
-  THPObjectPtr group(PyObject_CallOneArg(lane_group_resolver, ctx));
-  if (!group) {
-    throw python_error();
-  }
-  // The group outlives the call: the node's ctx holds it (ctx.group), or it
-  // is the default group. torch_ext.lanes holds it only weakly, so that
-  // destroy_process_group can free it (test_clean_exit.py says why).
-  return reinterpret_cast<uintptr_t>(group.get());
-}
-
-bool collective_check_enabled() {
-  return collective_check_on.load(std::memory_order_relaxed);
-}
-
-namespace {
-void call_collective_checker(
-    PyObject* node,
-    int32_t position,
-    PyObject* inputs) {
-  if (collective_checker == nullptr) {
-    return; // switched off since the call started
-  }
-  THPObjectPtr checked(PyObject_CallFunction(
-      collective_checker,
-      "OiO",
-      node,
-      static_cast<int>(position),
-      inputs));
-  if (!checked) {
-    throw python_error();
-  }
-}
-} // namespace
-
-void check_collective(
-    const torch::autograd::Node& fn,
-    int32_t position,
-    const torch::autograd::variable_list& inputs) {
-  pybind11::gil_scoped_acquire gil;
-  // Collective nodes are Python Functions' (collective_role); another node
-  // would be named by its name() alone.
-  PyObject* ctx =
-      &typeid(fn) == python_node_type.load(std::memory_order_relaxed)
-      ? static_cast<const torch::autograd::PyNode&>(fn).pyobj()
-      : nullptr;
-  THPObjectPtr node(
-      ctx != nullptr ? Py_NewRef(ctx)
-                     : PyUnicode_FromString(fn.name().c_str()));
-  THPObjectPtr gradients(PyList_New(static_cast<Py_ssize_t>(inputs.size())));
-  if (!node || !gradients) {
-    throw python_error();
-  }
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    PyObject* gradient =
-        inputs[i].defined() ? THPVariable_Wrap(inputs[i]) : Py_NewRef(Py_None);
-    if (gradient == nullptr) {
-      throw python_error();
-    }
-    PyList_SET_ITEM(gradients.get(), static_cast<Py_ssize_t>(i), gradient);
-  }
-  call_collective_checker(node.get(), position, gradients.get());
-}
-
-void check_end_of_collectives(int32_t count) {
-  pybind11::gil_scoped_acquire gil;
-  call_collective_checker(Py_None, count, Py_None);
-}
-
-void raise_if_interrupted() {
-  pybind11::gil_scoped_acquire gil;
-  if (PyErr_CheckSignals() != 0) {
-    throw python_error();
-  }
-}
-
-std::exception_ptr name_lane_node_in_error(
-    std::exception_ptr error,
-    const torch::autograd::Node& fn) {
-  const std::string where =
-      "raised by " + fn.name() + " in its torch_ext collective lane";
-  try {
-    std::rethrow_exception(error);
-  } catch (python_error& e) {
-    pybind11::gil_scoped_acquire gil;
-    if (e.value != nullptr) {
-      THPObjectPtr note(PyUnicode_FromString(where.c_str()));
-      THPObjectPtr added(
-          note ? PyObject_CallMethod(e.value, "add_note", "O", note.get())
-               : nullptr);
-      if (!added) {
-        PyErr_Clear(); // the node's own error matters more than the note
-      }
-    }
-  } catch (c10::Error& e) {
-    e.add_context(where);
-  } catch (...) {
-  }
-  return error;
-}
-
-void remember_python_node_type(const torch::autograd::Node& example) {
-  TORCH_CHECK(
-      std::string_view(typeid(example).name()) == "N5torch8autograd6PyNodeE",
-      "remember_python_node_type: expected the node of a Python autograd.Function, got ",
-      example.name());
-  python_node_type.store(&typeid(example), std::memory_order_relaxed);
-}
-
-void set_auto_collective_priority(bool enabled) {
-  auto_priority_enabled.store(enabled, std::memory_order_relaxed);
-}
-
-bool auto_collective_priority() {
-  return auto_priority_enabled.load(std::memory_order_relaxed);
+void fill_collective_callbacks(HostCallbacks& callbacks) {
+  callbacks.collective_role = python_collective_role;
+  callbacks.defers_its_wait = python_defers_its_wait;
+  callbacks.lane_group_key = python_lane_group_key;
+  callbacks.collective_check_enabled = python_collective_check_enabled;
+  callbacks.check_collective = python_check_collective;
+  callbacks.raise_if_interrupted = python_raise_if_interrupted;
+  callbacks.name_lane_node_in_error = python_name_lane_node_in_error;
 }
 
 bool init_collective_bindings(PyObject* module) {
