@@ -29,7 +29,7 @@ first call does); then torch_ext with the cache cleared and on, three times, the
 plan the first two made (checked from ``_plan_cache_stats``). All gradients must be torch.equal to
 stock's, or the script fails. ``repeats`` says whether stock's runs and torch_ext's first-call runs
 each gave one figure. torch_ext's first call in a process allocates a 4-byte tensor it keeps for good
-(its driver node's input, csrc/engine/host_task.cpp); one unmeasured call of each engine comes first.
+(its driver node's input, csrc/engine/host/host_task.cpp); one unmeasured call of each engine comes first.
 
 The long-format CSV has, per graph, metric ``peak_bytes`` for ``stock``, ``torch_ext`` (first calls) and
 ``torch_ext_replayed``: median, 20th and 80th percentile over the runs (all three equal when the runs repeat).

@@ -24,7 +24,7 @@ def _built_for() -> str | None:
 # where that can be done safely; "off" forces the portable path (torch_ext.current_node_supported()).
 CURRENT_NODE_VARIABLE = "TORCH_EXT_CURRENT_NODE"
 # TORCH_EXT_PLAN_CACHE: "on" (the default) replays a backward plan on later calls of the same graph
-# structure (csrc/engine/plan_cache.h); "off" plans every call afresh.
+# structure (csrc/engine/plan/plan_cache.h); "off" plans every call afresh.
 PLAN_CACHE_VARIABLE = "TORCH_EXT_PLAN_CACHE"
 SWITCH_MODES = ("on", "off")
 
@@ -38,7 +38,7 @@ def _switch(variable: str) -> bool:
 
 
 def load_extension():
-    _switch(CURRENT_NODE_VARIABLE)  # read by the C++ engine itself; checked here
+    current_node_on = _switch(CURRENT_NODE_VARIABLE)
     plan_cache_on = _switch(PLAN_CACHE_VARIABLE)
     built_for = _built_for()
     found = torch.__version__
@@ -59,6 +59,8 @@ def load_extension():
         raise ImportError(
             f"torch_ext's C++ engine (built for torch {built_for}, found torch {found}) failed to load: {e}"
         ) from e
+    if not current_node_on:
+        extension._set_current_node_forced_off(True)
     if not plan_cache_on:
         extension._set_plan_cache(False)
     return extension

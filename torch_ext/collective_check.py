@@ -62,7 +62,7 @@ def _describe(fingerprint: tuple) -> str:
 
 
 class _Checker:
-    """The checker the engine calls (csrc/collectives/collective_nodes.cpp), with the GIL, on the thread running backward."""
+    """The checker the engine calls (csrc/bindings/python_collectives.cpp), with the GIL, on the thread running backward."""
 
     def __init__(self, group: Any | None, timeout: datetime.timedelta | None) -> None:
         self._group = group

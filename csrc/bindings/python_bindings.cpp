@@ -9,9 +9,9 @@
 #include "bindings/python_engine_info.h"
 #include "bindings/python_request.h"
 #include "bindings/python_split.h"
-#include "engine/backward_call.h"
 #include "engine/host_callbacks.h"
-#include "engine/schedule_replay.h"
+#include "engine/plan/schedule_replay.h"
+#include "engine/run/running_node.h"
 #include "engine/trace.h"
 
 #include <ATen/ThreadLocalPythonObjects.h>
@@ -80,8 +80,8 @@ PyObject* py_current_execution_order(
     PyObject* /*module*/,
     PyObject* /*unused*/) {
   HANDLE_TH_ERRORS
-  const BackwardCall* call = BackwardCall::running_call();
-  if (call == nullptr) {
+  std::optional<std::vector<Node*>> order = running_call_planned_order();
+  if (!order.has_value()) {
     Py_RETURN_NONE;
   }
   TORCH_CHECK(
@@ -90,7 +90,7 @@ PyObject* py_current_execution_order(
       "executed with multithreading disabled, e.g. by running:\n\n"
       ">>> with torch.autograd.set_multithreading_enabled(False):\n"
       "...     torch.autograd.grad(...)\n");
-  return nodes_to_list(call->planned_order());
+  return nodes_to_list(*order);
   END_HANDLE_TH_ERRORS
 }
 
@@ -344,8 +344,7 @@ PyObject* py_defer_wait(PyObject* /*module*/, PyObject* tensor) {
       THPVariable_Check(tensor),
       "defer_wait expects a Tensor, got ",
       Py_TYPE(tensor)->tp_name);
-  return PyBool_FromLong(
-      BackwardCall::defer_wait_to_first_use(THPVariable_Unpack(tensor)));
+  return PyBool_FromLong(defer_wait_to_first_use(THPVariable_Unpack(tensor)));
   END_HANDLE_TH_ERRORS
 }
 
@@ -447,6 +446,34 @@ PyMethodDef methods[] = {
      "torch_ext backward whose node runs on this thread."},
     {nullptr, nullptr, 0, nullptr}};
 
+// The names of trace::Kind and trace::PriorityFrom, indexed by their values,
+// which torch_ext/tracing.py reads rather than restating them.
+bool add_trace_names(PyObject* module) {
+  static_assert(
+      static_cast<int>(trace::Kind::kBackward) == 0 &&
+      static_cast<int>(trace::Kind::kNode) == 1 &&
+      static_cast<int>(trace::Kind::kCollectiveWait) == 2);
+  static_assert(
+      static_cast<int>(trace::PriorityFrom::kDefault) == 0 &&
+      static_cast<int>(trace::PriorityFrom::kSetPriority) == 1 &&
+      static_cast<int>(trace::PriorityFrom::kCallOverride) == 2 &&
+      static_cast<int>(trace::PriorityFrom::kAutoCollective) == 3 &&
+      static_cast<int>(trace::PriorityFrom::kPropagated) == 4);
+  THPObjectPtr kinds(
+      Py_BuildValue("(sss)", "backward", "node", "collective_wait"));
+  THPObjectPtr sources(Py_BuildValue(
+      "(Ossss)",
+      Py_None,
+      "set_priority",
+      "priorities",
+      "collective",
+      "propagated"));
+  return kinds && sources &&
+      PyModule_AddObjectRef(module, "trace_kinds", kinds.get()) == 0 &&
+      PyModule_AddObjectRef(module, "trace_priority_sources", sources.get()) ==
+      0;
+}
+
 PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     "torch_ext._C",
@@ -469,7 +496,8 @@ PyMODINIT_FUNC PyInit__C() {
   if (module != nullptr &&
       (!torch_ext::init_split_bindings(module) ||
        !torch_ext::init_engine_info_bindings(module) ||
-       !torch_ext::init_collective_bindings(module))) {
+       !torch_ext::init_collective_bindings(module) ||
+       !torch_ext::add_trace_names(module))) {
     Py_DECREF(module);
     return nullptr;
   }

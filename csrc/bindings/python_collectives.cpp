@@ -663,8 +663,26 @@ void fill_collective_callbacks(HostCallbacks& callbacks) {
 
 bool init_collective_bindings(PyObject* module) {
   forget_callback = PyCFunction_New(&forget_dead_class_def, nullptr);
-  return forget_callback != nullptr &&
-      PyModule_AddFunctions(module, collective_methods) == 0;
+  if (forget_callback == nullptr ||
+      PyModule_AddFunctions(module, collective_methods) != 0) {
+    return false;
+  }
+  // The engine's values, which torch_ext/collectives.py reads rather than
+  // restating them: each role's number, and the automatic priority.
+  THPObjectPtr roles(Py_BuildValue(
+      "{s:i,s:i,s:i,s:i}",
+      "none",
+      static_cast<int>(CollectiveRole::kNone),
+      "launch",
+      static_cast<int>(CollectiveRole::kLaunch),
+      "wait",
+      static_cast<int>(CollectiveRole::kWait),
+      "lane",
+      static_cast<int>(CollectiveRole::kLane)));
+  THPObjectPtr priority(PyLong_FromLongLong(kCollectivePriority));
+  return roles && priority &&
+      PyModule_AddObjectRef(module, "collective_roles", roles.get()) == 0 &&
+      PyModule_AddObjectRef(module, "collective_priority", priority.get()) == 0;
 }
 
 } // namespace torch_ext

@@ -8,8 +8,8 @@
 
 #include "bindings/python_split.h"
 #include "bindings/python_request.h"
-#include "engine/batched_accumulation.h"
-#include "engine/split_backward.h"
+#include "engine/split/batched_accumulation.h"
+#include "engine/split/split_backward.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_function.h>

@@ -4,8 +4,8 @@
 // backward_request.h and engine_api.h.
 
 #include "engine/backward_request.h"
-#include "engine/backward_call.h"
-#include "engine/host_task.h"
+#include "engine/host/host_task.h"
+#include "engine/run/backward_call.h"
 
 #include <ATen/LegacyBatchedTensorImpl.h>
 #include <ATen/LegacyVmapMode.h>

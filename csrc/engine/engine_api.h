@@ -5,7 +5,7 @@
 // questions to Python go through engine/host_callbacks.h.
 
 #include "engine/call_options.h"
-#include "engine/priority_table.h"
+#include "engine/plan/priority_table.h"
 
 #include <torch/csrc/autograd/function.h>
 

@@ -3,17 +3,18 @@
 // kRunAndKeep, kCaptureAndKeep); the dW plan resumes it (kResumeKept) and
 // runs the weight subgraph. The executor runs both like any plan.
 
-#include "engine/split_backward.h"
+#include "engine/split/split_backward.h"
 #include "engine/backward_request.h"
-#include "engine/batched_accumulation.h"
-#include "engine/host_task.h"
-#include "engine/schedule_replay.h"
+#include "engine/host/host_task.h"
+#include "engine/plan/schedule_replay.h"
+#include "engine/run/backward_call.h"
+#include "engine/split/batched_accumulation.h"
 
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/input_metadata.h>
 
 #include <algorithm>
 #include <atomic>
+#include <numeric>
 #include <sstream>
 #include <unordered_set>
 
@@ -58,13 +59,6 @@ struct SplitState {
 
 namespace {
 
-std::optional<c10::Stream> producer_stream_of(const at::Tensor& grad) {
-  if (!grad.defined()) {
-    return std::nullopt;
-  }
-  return torch::autograd::InputMetadata(grad).stream();
-}
-
 // Whether each slot leads to one of `weight_slots` (a weight's slot included).
 std::vector<char> leads_to_weight(
     const GraphPlan& plan,
@@ -74,38 +68,14 @@ std::vector<char> leads_to_weight(
   for (const int32_t slot : weight_slots) {
     leads[slot] = 1;
   }
-  auto num_edges = [&](int32_t slot) -> size_t {
-    const NodeSlot& node = plan.slots[slot];
-    return node.expanded ? node.fn->next_edges().size() : 0;
-  };
-  // Post-order, children before parents; the plan is a DAG.
-  std::vector<char> visited(num_slots, 0);
-  std::vector<std::pair<int32_t, size_t>> stack; // (slot, next edge)
-  for (size_t start = 0; start < num_slots; ++start) {
-    if (visited[start]) {
-      continue;
+  std::vector<int32_t> every_slot(num_slots);
+  std::iota(every_slot.begin(), every_slot.end(), 0);
+  for_each_in_post_order(plan, every_slot, [&](int32_t slot) {
+    for (size_t i = 0; i < plan.num_edges(slot) && !leads[slot]; ++i) {
+      const int32_t child = plan.target_of(slot, i);
+      leads[slot] = child != kNoSlot && leads[child];
     }
-    visited[start] = 1;
-    stack.emplace_back(static_cast<int32_t>(start), 0);
-    while (!stack.empty()) {
-      const int32_t slot = stack.back().first;
-      const size_t edge = stack.back().second;
-      if (edge < num_edges(slot)) {
-        ++stack.back().second;
-        const int32_t child = plan.target_of(slot, edge);
-        if (child != kNoSlot && !visited[child]) {
-          visited[child] = 1;
-          stack.emplace_back(child, 0);
-        }
-        continue;
-      }
-      for (size_t i = 0; i < num_edges(slot) && !leads[slot]; ++i) {
-        const int32_t child = plan.target_of(slot, i);
-        leads[slot] = child != kNoSlot && leads[child];
-      }
-      stack.pop_back();
-    }
-  }
+  });
   return leads;
 }
 

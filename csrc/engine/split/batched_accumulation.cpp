@@ -1,4 +1,4 @@
-#include "engine/batched_accumulation.h"
+#include "engine/split/batched_accumulation.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/dispatch/Dispatcher.h>

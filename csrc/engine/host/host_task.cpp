@@ -9,7 +9,7 @@
 // the same thread, while that task is current. See DESIGN.md, "The host-task
 // pattern".
 
-#include "engine/host_task.h"
+#include "engine/host/host_task.h"
 #include "engine/host_callbacks.h"
 
 #include <ATen/EmptyTensor.h>

@@ -1,15 +1,18 @@
 // The run loop of one call: the plan (discovered, or given by split
 // backward), published to the host task, seeded, then every ready node run
 // in the scheduler's order until none is left. Runs inside the host task's
-// BackwardDriver (host_task.cpp).
+// BackwardDriver (host/host_task.cpp), which it publishes its plan to. A call
+// with lane nodes or the collective order check runs collective_sequence.cpp's
+// loop instead.
 
-#include "collectives/collective_lane.h"
-#include "engine/backward_call.h"
-#include "engine/batched_accumulation.h"
-#include "engine/current_node.h"
-#include "engine/host_task.h"
-#include "engine/plan_cache.h"
-#include "engine/schedule_replay.h"
+#include "engine/host/host_task.h"
+#include "engine/plan/plan_cache.h"
+#include "engine/plan/schedule_replay.h"
+#include "engine/run/backward_call.h"
+#include "engine/run/collective_sequence.h"
+#include "engine/run/current_node.h"
+#include "engine/run/deferred_accumulation.h"
+#include "engine/run/running_node.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/grad_mode.h>
@@ -18,9 +21,6 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_metadata.h>
-
-#include <functional>
-#include <mutex>
 
 namespace torch_ext {
 namespace {
@@ -44,14 +44,14 @@ std::vector<c10::Stream> current_accelerator_streams() {
   return streams;
 }
 
+} // namespace
+
 std::optional<c10::Stream> producer_stream_of(const at::Tensor& grad) {
   if (!grad.defined()) {
     return std::nullopt;
   }
   return torch::autograd::InputMetadata(grad).stream();
 }
-
-} // namespace
 
 BackwardCall::BackwardCall(
     edge_list roots,
@@ -151,7 +151,7 @@ void BackwardCall::run(Node* host_node) {
         options_.accumulate_grad,
         priorities_);
   }
-  ordered_inputs_.resize(plan_.num_ordered_inputs);
+  ordered_delivery_.resize(plan_.num_ordered_inputs);
   // Filling the host's nodes_in_graph makes _will_engine_execute_node and
   // register_multi_grad_hook(mode="all") see the real graph.
   publish_plan_to_host_task(plan_);
@@ -198,155 +198,51 @@ void BackwardCall::run(Node* host_node) {
     if (running != kNoSlot) {
       failed_node_ = plan_.slots[running].fn;
     }
-    if (lanes_ != nullptr) {
+    if (sequence_ != nullptr) {
       // Before anything else: a lane may still be running a node of this
       // call. Its queued nodes are dropped.
-      lanes_->stop();
+      sequence_->lanes.stop();
     }
     wait_pending_after_error();
     record_held_gradients();
     throw;
   }
-  if (lanes_ != nullptr) {
-    lanes_->stop();
+  if (sequence_ != nullptr) {
+    sequence_->lanes.stop();
   }
   record_held_gradients();
   sync_leaf_streams_with_caller();
 }
 
-void BackwardCall::build_collective_sequence() {
-  sequence_place_.assign(plan_.slots.size(), kNoSlot);
-  int32_t place = 0;
-  for (const int32_t s : planned_run_slots(plan_)) {
-    if (plan_.slots[s].collective) {
-      sequence_place_[s] = place++;
-    }
-  }
-}
-
-bool BackwardCall::may_start(int32_t slot) const {
-  const int32_t place = sequence_place_[slot];
-  if (place == kNoSlot) {
-    return true;
-  }
-  return place == next_in_sequence_ && (runs_in_lane(slot) || !lanes_->busy());
-}
-
-void BackwardCall::unpark() {
-  for (size_t i = 0; i < parked_.size(); ++i) {
-    if (may_start(parked_[i])) {
-      ready_.push(ready_key(parked_[i]));
-      parked_.erase(parked_.begin() + static_cast<std::ptrdiff_t>(i));
-      return; // one node has each place
-    }
-  }
-}
-
-template <bool kTraced>
-void BackwardCall::run_with_lanes() {
-  build_collective_sequence();
-  lanes_ = std::make_unique<CollectiveLanes>();
-  // Ctrl-C while the engine waits for a lane (the collective releases the
-  // GIL; the engine thread holds none).
-  const std::function<void()> check_interrupt =
-      host_callbacks().raise_if_interrupted;
-  while (true) {
-    if (lanes_->busy()) {
-      // Waits only when nothing else is ready to run.
-      const bool block = ready_.empty();
-      for (auto& finished : lanes_->take_finished(block, check_interrupt)) {
-        finish_lane_node(
-            finished.slot,
-            std::move(finished.outputs),
-            finished.error);
-      }
-      if (!lanes_->busy()) {
-        // A collective the engine issues itself may have waited for this.
-        unpark();
-      }
-    }
-    if (ready_.empty()) {
-      if (lanes_->busy()) {
-        continue;
-      }
-      break;
-    }
-    const int32_t slot = ready_.pop();
-    if (!may_start(slot)) {
-      parked_.push_back(slot);
-      continue;
-    }
-    if (sequence_place_[slot] != kNoSlot &&
-        host_callbacks().collective_check_enabled()) {
-      // The ranks agree on this collective before any of them issues it: a
-      // mismatch raises here on every rank, where it would hang later.
-      const NodeSlot& node = plan_.slots[slot];
-      CollectiveCheck check;
-      check.node = node.fn;
-      check.position = sequence_place_[slot];
-      check.inputs = &buffer_of(node).buffer;
-      host_callbacks().check_collective(check);
-    }
-    try {
-      if (runs_in_lane(slot)) {
-        dispatch_to_lane(slot);
-      } else {
-        execute_node<kTraced>(slot);
-      }
-    } catch (...) {
-      if (failed_node_ == nullptr) {
-        failed_node_ = plan_.slots[slot].fn;
-      }
-      throw;
-    }
-    if (sequence_place_[slot] != kNoSlot) {
-      ++next_in_sequence_;
-      unpark();
-    }
-  }
-  if (host_callbacks().collective_check_enabled()) {
-    CollectiveCheck end_of_collectives;
-    end_of_collectives.position = next_in_sequence_;
-    host_callbacks().check_collective(end_of_collectives);
-  }
-  // Every node of the sequence ran: nothing the plan runs is left parked.
-  TORCH_INTERNAL_ASSERT(
-      parked_.empty(),
-      "torch_ext: ",
-      parked_.size(),
-      " collective node(s) never reached their turn in the collective sequence");
-}
-
-template void BackwardCall::run_with_lanes<false>();
-template void BackwardCall::run_with_lanes<true>();
-
 std::vector<Node*> BackwardCall::planned_order() const {
   return planned_run_order(plan_);
 }
 
-namespace {
-std::mutex held_stats_mutex;
-HeldGradientStats held_stats;
-} // namespace
-
 void BackwardCall::record_held_gradients() const {
-  if (!plan_.stock_order_known) {
-    return;
+  if (plan_.stock_order_known) {
+    ordered_delivery_.record_held_gradients();
   }
-  std::lock_guard<std::mutex> lock(held_stats_mutex);
-  held_stats.ordered_calls += 1;
-  held_stats.held_gradients += held_count_;
-  held_stats.peak_held_bytes =
-      std::max(held_stats.peak_held_bytes, peak_held_bytes_);
 }
 
-HeldGradientStats held_gradient_stats(bool reset) {
-  std::lock_guard<std::mutex> lock(held_stats_mutex);
-  const HeldGradientStats stats = held_stats;
-  if (reset) {
-    held_stats = HeldGradientStats{};
+bool BackwardCall::host_task_is_current() const {
+  return torch::autograd::get_current_graph_task_nodes_in_graph() ==
+      host_nodes_in_graph_;
+}
+
+const RunningNode* running_node_under_host_task() {
+  const RunningNode* running = running_node_now();
+  if (running == nullptr || !running->call->host_task_is_current()) {
+    return nullptr;
   }
-  return stats;
+  return running;
+}
+
+std::optional<std::vector<Node*>> running_call_planned_order() {
+  const RunningNode* running = running_node_under_host_task();
+  if (running == nullptr) {
+    return std::nullopt;
+  }
+  return running->call->planned_order();
 }
 
 void BackwardCall::sync_leaf_streams_with_caller() {

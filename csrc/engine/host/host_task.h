@@ -5,7 +5,7 @@
 // layer of a call: it runs whatever it is given (HostedRun) and knows nothing
 // of the run loop above it, which publishes its plan here.
 
-#include "engine/graph_plan.h"
+#include "engine/plan/graph_plan.h"
 
 namespace torch_ext {
 
