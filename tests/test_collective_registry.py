@@ -17,7 +17,7 @@ from torch.autograd.function import BackwardCFunction
 import torch_ext
 from torch_ext import collectives
 
-COLLECTIVE_PRIORITY = 2**62
+COLLECTIVE_PRIORITY = collectives._C.collective_priority
 
 
 def _identity_function(name: str) -> type:

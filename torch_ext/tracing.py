@@ -58,8 +58,8 @@ from torch_ext._loader import load_extension
 
 _C = load_extension()
 
-_KINDS = ("backward", "node", "collective_wait")
-_PRIORITY_FROM = (None, "set_priority", "priorities", "collective", "propagated")
+_KINDS = _C.trace_kinds
+_PRIORITY_FROM = _C.trace_priority_sources
 _MATPLOTLIB_MISSING = (
     "torch_ext: plotting a trace needs matplotlib; install it with `pip install torch_ext[bench]` "
     "or `pip install matplotlib`"
