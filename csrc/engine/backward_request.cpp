@@ -1,11 +1,10 @@
 // The engine's entry: roots, root gradients and inputs -> BackwardRequest,
 // with stock's checks in stock's order (THPEngine_run_backward), and the
-// request run as one BackwardCall inside its host task. See
+// request run as one call inside its host task (run/run_call.h). See
 // backward_request.h and engine_api.h.
 
 #include "engine/backward_request.h"
-#include "engine/host/host_task.h"
-#include "engine/run/backward_call.h"
+#include "engine/run/run_call.h"
 
 #include <ATen/LegacyBatchedTensorImpl.h>
 #include <ATen/LegacyVmapMode.h>
@@ -209,14 +208,12 @@ variable_list run_backward(
         "your parameters to None after use to break the cycle and avoid the leak.");
   }
 
-  BackwardCall call(
+  return run_call(
       roots,
       std::move(root_grads),
       inputs,
       options,
       std::move(priority_overrides));
-  run_in_host_task(call, options.keep_graph, /*filtered=*/!inputs.empty());
-  return call.take_captured();
 }
 
 } // namespace torch_ext

@@ -3,12 +3,11 @@
 // One torch_ext backward()/grad() call: the plan, the ready queue and the
 // results. It lives for the duration of the call only, so nested calls (a
 // backward inside a node, reentrant checkpoint) and calls from other threads
-// never share state. Included by the run layer's own files and by what starts
-// a call (engine/backward_request.cpp, split/split_backward.cpp); the
-// bindings see only running_node.h. Its parts live beside it: bit-stable
-// delivery (ordered_delivery.h), the collective sequence and lanes
-// (collective_sequence.h, made only for a call that uses them), what split
-// backward's passes give it (deferred_accumulation.h, KeptNode).
+// never share state. Included only by the run layer's own files: what starts
+// a call uses run_call.h, the bindings running_node.h. Its parts live beside
+// it: bit-stable delivery (ordered_delivery.h), the collective sequence and
+// lanes (collective_sequence.h, made only for a call that uses them), what
+// split backward's passes give it (deferred_accumulation.h, KeptNode).
 
 #include "engine/call_options.h"
 #include "engine/host/host_task.h"
@@ -34,11 +33,6 @@ namespace torch_ext {
 class DeferredAccumulation;
 struct CollectiveSequence;
 struct RunningNode;
-
-// The stream `grad` was produced on (its device's current stream when it was
-// made), or nullopt for an undefined one: a root gradient's, unless the call
-// is told otherwise (set_root_streams).
-std::optional<c10::Stream> producer_stream_of(const at::Tensor& grad);
 
 class BackwardCall final : public HostedRun {
  public:

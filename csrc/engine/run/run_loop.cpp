@@ -12,6 +12,7 @@
 #include "engine/run/collective_sequence.h"
 #include "engine/run/current_node.h"
 #include "engine/run/deferred_accumulation.h"
+#include "engine/run/run_call.h"
 #include "engine/run/running_node.h"
 
 #include <ATen/DeviceAccelerator.h>
@@ -80,6 +81,36 @@ BackwardCall::BackwardCall(
 }
 
 BackwardCall::~BackwardCall() = default;
+
+variable_list run_call(
+    edge_list roots,
+    variable_list root_grads,
+    edge_list inputs,
+    CallOptions options,
+    std::vector<PriorityOverride> priority_overrides,
+    SplitPass* pass) {
+  // grad()/inputs= and split passes run a subset of the nodes.
+  const bool filtered = pass != nullptr || !inputs.empty();
+  const bool host_keeps_graph =
+      options.keep_graph || (pass != nullptr && pass->host_keeps_graph);
+  BackwardCall call(
+      std::move(roots),
+      std::move(root_grads),
+      std::move(inputs),
+      options,
+      std::move(priority_overrides));
+  if (pass != nullptr) {
+    call.use_plan(std::move(pass->plan));
+    call.set_kept_nodes(pass->kept);
+    call.set_accumulation_batch(pass->batch);
+    if (!pass->root_streams.empty()) {
+      call.set_root_streams(std::move(pass->root_streams));
+    }
+    call.set_trace_label(pass->trace_label);
+  }
+  run_in_host_task(call, host_keeps_graph, filtered);
+  return call.take_captured();
+}
 
 void BackwardCall::seed() {
   if (plan_.seeds_roots) {

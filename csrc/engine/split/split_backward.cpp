@@ -5,9 +5,8 @@
 
 #include "engine/split/split_backward.h"
 #include "engine/backward_request.h"
-#include "engine/host/host_task.h"
 #include "engine/plan/schedule_replay.h"
-#include "engine/run/backward_call.h"
+#include "engine/run/run_call.h"
 #include "engine/split/batched_accumulation.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -380,25 +379,26 @@ InputPassResult backward_input(
       allow_unused,
       *state)
       .rewrite(plan);
+  SplitPass pass;
+  pass.plan = std::move(plan);
+  pass.kept = &state->kept;
+  pass.trace_label = "backward_input";
+  // The host task retains the graph: frontier nodes keep their saved
+  // variables whatever the caller asked, and nodes that read the host's
+  // keep_graph (AOTAutograd's compiled backward frees saved tensors on use
+  // without it) must not free what the weight pass needs.
+  pass.host_keeps_graph = true;
   // Only the weight pass's root gradients are kept (in the state); no other
   // reference may stay, or input buffers would not accumulate in place.
-  BackwardCall call(
+  variable_list input_grads = run_call(
       roots,
       std::move(root_grads),
       inputs,
       {/*keep_graph=*/keep_graph,
        /*create_graph=*/false,
        /*accumulate_grad=*/false},
-      {});
-  call.use_plan(std::move(plan));
-  call.set_kept_nodes(&state->kept);
-  call.set_trace_label("backward_input");
-  // The host task retains the graph: frontier nodes keep their saved
-  // variables whatever the caller asked, and nodes that read the host's
-  // keep_graph (AOTAutograd's compiled backward frees saved tensors on use
-  // without it) must not free what the weight pass needs.
-  run_in_host_task(call, /*keep_graph=*/true, /*filtered=*/true);
-  variable_list input_grads = call.take_captured();
+      {},
+      &pass);
   unshare_input_grads_from_state(input_grads, *state);
   return {std::move(input_grads), std::move(state)};
 }
@@ -424,24 +424,25 @@ variable_list backward_weight(SplitState& state, bool keep_graph) {
       root_grads.push_back(std::move(root.grad));
       root_streams.push_back(root.stream);
     }
-    BackwardCall call(
-        std::move(roots),
-        std::move(root_grads),
-        {},
-        {/*keep_graph=*/keep_graph,
-         /*create_graph=*/false,
-         /*accumulate_grad=*/true},
-        {});
     AccumulationBatch batch;
-    call.use_plan(std::move(state.weight_plan));
-    call.set_kept_nodes(&state.kept);
-    call.set_root_streams(std::move(root_streams));
-    call.set_trace_label("backward_weight");
+    SplitPass pass;
+    pass.plan = std::move(state.weight_plan);
+    pass.kept = &state.kept;
+    pass.root_streams = std::move(root_streams);
+    pass.trace_label = "backward_weight";
     if (AccumulationBatch::available()) {
-      call.set_accumulation_batch(&batch);
+      pass.batch = &batch;
     }
     try {
-      run_in_host_task(call, keep_graph, /*filtered=*/true);
+      run_call(
+          std::move(roots),
+          std::move(root_grads),
+          {},
+          {/*keep_graph=*/keep_graph,
+           /*create_graph=*/false,
+           /*accumulate_grad=*/true},
+          {},
+          &pass);
     } catch (...) {
       // Stock would have accumulated these before the error.
       batch.flush();
