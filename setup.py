@@ -98,9 +98,10 @@ setup(
     ext_modules=[
         CppExtension(
             "torch_ext._C",
-            # csrc/'s folders are its layers: engine/ (the engine core), collectives/ (collective nodes and
-            # their lanes), bindings/ (Python and torch.library). Headers are included by that path.
-            sorted(glob.glob(os.path.join("csrc", "*", "*.cpp"))),
+            # csrc/'s folders are its layers: engine/ (the engine core, its own layers in plan/, run/, host/ and
+            # split/), collectives/ (collective roles and their lanes), bindings/ (Python and torch.library).
+            # Headers are included by that path.
+            sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)),
             include_dirs=[os.path.join(HERE, "csrc")],
             # TORCH_EXT_CXXFLAGS come after these, so they win, and TORCH_EXT_LDFLAGS go to the linker: a
             # sanitizer build (tools/sanitize.sh) sets "-fsanitize=address,undefined ... -g -O1" with them.

@@ -30,7 +30,7 @@ first call does); then torch_ext with the cache cleared and on, three times, the
 plan the first two made (checked from ``_plan_cache_stats``). All gradients must be identical to
 stock's (torch_ext.testing.identity_difference), or the script fails. ``repeats`` says whether stock's runs
 and torch_ext's first-call runs each gave one figure. torch_ext's first call in a process allocates a 4-byte
-tensor it keeps for good (its driver node's input, csrc/engine/host_task.cpp); one unmeasured call of each
+tensor it keeps for good (its driver node's input, csrc/engine/host/host_task.cpp); one unmeasured call of each
 engine comes first.
 
 The long-format CSV has, per graph, metric ``peak_bytes`` for ``stock``, ``torch_ext`` (first calls) and

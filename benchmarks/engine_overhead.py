@@ -88,7 +88,7 @@ class EngineApi:
     name: str
     backward: Callable
     grad: Callable
-    # torch_ext's plan cache (csrc/engine/plan_cache.h) on or off for this engine's calls; None for stock.
+    # torch_ext's plan cache (csrc/engine/plan/plan_cache.h) on or off for this engine's calls; None for stock.
     plan_cache: bool | None = None
 
 

@@ -45,7 +45,7 @@ EXCEEDS_STOCK = {
     ),
     "fan_in_priority_branch_0": (
         "bit-stable accumulation holds branch 0's gradient, which stock adds last, until the 63 others "
-        "have been added (csrc/engine/schedule_replay.h). Measured: stock 32,772 B, torch_ext 49,156 B "
+        "have been added (csrc/engine/plan/schedule_replay.h). Measured: stock 32,772 B, torch_ext 49,156 B "
         "(+16,384 B, one gradient; _held_gradient_stats peak_held_bytes 16,384)."
     ),
 }
@@ -63,7 +63,7 @@ PRIORITY_GRAPHS = [name for name in GRAPHS if "priority" in name]
 @pytest.fixture(scope="module", autouse=True)
 def engines_warmed_up():
     # torch_ext's first call in a process allocates the 4-byte gradient its driver node is declared with
-    # (driver_dummy_grad, csrc/engine/host_task.cpp), kept for the life of the process: a one-time cost that
+    # (driver_dummy_grad, csrc/engine/host/host_task.cpp), kept for the life of the process: a one-time cost that
     # would otherwise show in whichever call comes first.
     for engine in (STOCK, TORCH_EXT):
         x = torch.ones(2, requires_grad=True)

@@ -18,7 +18,7 @@ import torch_ext
 from torch_ext import collectives
 from torch_ext.testing import assert_identical
 
-COLLECTIVE_PRIORITY = 2**62
+COLLECTIVE_PRIORITY = collectives._C.collective_priority
 
 
 def _identity_function(name: str) -> type:

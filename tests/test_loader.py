@@ -177,11 +177,15 @@ def test_loading_checks_every_switch_with_the_same_error(monkeypatch, variable):
         _loader._load_extension()
 
 
-def test_current_node_0_reaches_the_engine_as_off(monkeypatch):
-    # The engine reads TORCH_EXT_CURRENT_NODE itself and knows only "off" (csrc/engine/current_node.cpp).
-    monkeypatch.setenv("TORCH_EXT_CURRENT_NODE", "0")
+@pytest.mark.parametrize(("value", "forced_off"), [("0", True), ("off", True), ("on", False), ("", False)])
+def test_current_node_switch_reaches_the_engine(monkeypatch, value, forced_off):
+    # The loader parses TORCH_EXT_CURRENT_NODE, once, and tells the engine, which reads no variable itself. Recorded,
+    # not applied: the engine settles its current-node path at its first backward, for the whole process.
+    told = []
+    monkeypatch.setattr(_loader._C, "_set_current_node_forced_off", told.append)
+    monkeypatch.setenv("TORCH_EXT_CURRENT_NODE", value)
     _loader._load_extension()
-    assert os.environ["TORCH_EXT_CURRENT_NODE"] == "off"
+    assert told == [forced_off]
 
 
 @pytest.mark.slow

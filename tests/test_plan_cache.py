@@ -1,4 +1,4 @@
-"""A backward plan compiled once per graph structure and replayed on later calls (csrc/engine/plan_cache.h).
+"""A backward plan compiled once per graph structure and replayed on later calls (csrc/engine/plan/plan_cache.h).
 
 A training loop builds a graph of the same structure from new nodes every step; torch_ext keeps the plan
 of a structure seen twice and rebinds it to the next call's nodes after checking that they have its shape.

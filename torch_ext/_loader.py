@@ -31,7 +31,7 @@ def _built_for() -> str | None:
 # safely; off forces the portable path (torch_ext.is_current_node_supported()).
 CURRENT_NODE_VARIABLE = "TORCH_EXT_CURRENT_NODE"
 # TORCH_EXT_PLAN_CACHE: on replays a backward plan on later calls of the same graph structure
-# (csrc/engine/plan_cache.h); off plans every call afresh.
+# (csrc/engine/plan/plan_cache.h); off plans every call afresh.
 PLAN_CACHE_VARIABLE = "TORCH_EXT_PLAN_CACHE"
 # TORCH_EXT_TRITON: on runs torch_ext.kernels' ops on CUDA through their Triton kernels; off, the references.
 TRITON_VARIABLE = "TORCH_EXT_TRITON"
@@ -62,10 +62,6 @@ def switch_on(variable: str) -> bool:
 def _load_extension():
     """The compiled engine, ``torch_ext._C``, once its build is checked against the torch in use."""
     switches = {variable: switch_on(variable) for variable in SWITCH_DEFAULTS}
-    if not switches[CURRENT_NODE_VARIABLE]:
-        # The engine reads this variable itself, at the first backward (csrc/engine/current_node.cpp), and
-        # knows only "off".
-        os.environ[CURRENT_NODE_VARIABLE] = "off"
     built_for = _built_for()
     found = torch.__version__
     if built_for is None:
@@ -85,6 +81,8 @@ def _load_extension():
         raise ImportError(
             f"torch_ext's C++ engine (built for torch {built_for}, found torch {found}) failed to load: {e}"
         ) from e
+    # The one parse of TORCH_EXT_CURRENT_NODE: the engine is told, not left to read the variable itself.
+    extension._set_current_node_forced_off(not switches[CURRENT_NODE_VARIABLE])
     if not switches[PLAN_CACHE_VARIABLE]:
         extension._set_plan_cache(False)
     return extension

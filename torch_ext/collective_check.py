@@ -123,7 +123,7 @@ class _Exchange:
 
 
 class _Checker:
-    """The checker the engine calls (csrc/collectives/collective_nodes.cpp): ``begin`` with a call's collective
+    """The checker the engine calls (csrc/bindings/python_collectives.cpp): ``begin`` with a call's collective
     sequence when its plan is made, on the thread running backward; ``wait`` before the call's first collective
     or hook runs (on that thread or a lane's) and when the call ends, however it ends. Both with the GIL.
 

@@ -51,7 +51,7 @@ from torch.autograd.function import BackwardCFunction
 
 from torch_ext._loader import _C
 
-_NONE, _LAUNCH, _WAIT, _LANE = 0, 1, 2, 3
+_NONE, _LAUNCH, _WAIT, _LANE = (_C.collective_roles[name] for name in ("none", "launch", "wait", "lane"))
 _ROLE_NAMES = {_NONE: None, _LAUNCH: "launch", _WAIT: "wait", _LANE: "lane"}
 
 # torch.library.register_autograd names the Function class it generates
@@ -114,7 +114,7 @@ def _generated_op_role(op: str) -> int:
 
 
 def _builtin_role(node_class: type) -> int:
-    """The engine's question about a node class it meets for the first time (csrc/collectives/collective_nodes.cpp)."""
+    """The engine's question about a node class it meets for the first time (csrc/bindings/python_collectives.cpp)."""
     name = node_class.__name__
     if name.startswith(_GENERATED):
         return _generated_op_role(name[len(_GENERATED) :])

@@ -14,7 +14,7 @@ with the frontier nodes' saved tensors; every other saved tensor of the dI pass 
 returns. The dW pass resumes from there and accumulates each weight's gradient through its
 AccumulateGrad, so ``.grad``, post-accumulate-grad hooks and DDP/FSDP hooks see what a full backward
 gives them; the two passes together compute the same bits as one full backward. See docs/design.md,
-"Split backward", and csrc/engine/split_backward.h.
+"Split backward", and csrc/engine/split/split_backward.h.
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ from typing import Any
 
 from torch_ext._loader import _C
 
-_KINDS = ("backward", "node", "collective_wait")
-_PRIORITY_FROM = (None, "set_priority", "priorities", "collective", "propagated")
+_KINDS = _C.trace_kinds
+_PRIORITY_FROM = _C.trace_priority_sources
 _MATPLOTLIB_MISSING = (
     "torch_ext: plotting a trace needs matplotlib; install it with `pip install torch_ext[bench]` "
     "or `pip install matplotlib`"

@@ -7,7 +7,7 @@
 // express (GradientEdge roots, Python callables) go through the Python
 // bindings (python_bindings.cpp) instead.
 
-#include "engine/backward_request.h"
+#include "bindings/python_request.h"
 
 #include <torch/library.h>
 
@@ -24,7 +24,7 @@ void backward_kernel(
   TORCH_CHECK(
       !inputs.has_value() || !inputs->empty(),
       "`inputs` argument to `backward()` cannot be empty.");
-  run(request_from_tensors(
+  run_releasing_gil(request_from_tensors(
       tensors,
       grad_tensors,
       inputs,
@@ -39,7 +39,7 @@ std::vector<std::optional<at::Tensor>> grad_kernel(
     bool retain_graph,
     bool create_graph,
     bool allow_unused) {
-  variable_list results = run(request_from_tensors(
+  variable_list results = run_releasing_gil(request_from_tensors(
       outputs,
       grad_outputs,
       inputs,

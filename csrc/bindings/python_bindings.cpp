@@ -5,12 +5,14 @@
 // torch_ext.Engine can stand in for torch.autograd's execution engine; the
 // request builder (backward_request.h) checks them as stock does.
 
+#include "bindings/python_collectives.h"
 #include "bindings/python_engine_info.h"
+#include "bindings/python_request.h"
 #include "bindings/python_split.h"
-#include "collectives/collective_nodes.h"
-#include "engine/backward_request.h"
-#include "engine/plan_cache.h"
-#include "engine/schedule_replay.h"
+#include "engine/host_callbacks.h"
+#include "engine/plan/plan_cache.h"
+#include "engine/plan/schedule_replay.h"
+#include "engine/run/running_node.h"
 #include "engine/trace.h"
 
 #include <ATen/ThreadLocalPythonObjects.h>
@@ -79,8 +81,8 @@ PyObject* py_current_execution_order(
     PyObject* /*module*/,
     PyObject* /*unused*/) {
   HANDLE_TH_ERRORS
-  const BackwardCall* call = BackwardCall::running_call();
-  if (call == nullptr) {
+  std::optional<std::vector<Node*>> order = running_call_planned_order();
+  if (!order.has_value()) {
     Py_RETURN_NONE;
   }
   TORCH_CHECK(
@@ -89,7 +91,7 @@ PyObject* py_current_execution_order(
       "executed with multithreading disabled, e.g. by running:\n\n"
       ">>> with torch.autograd.set_multithreading_enabled(False):\n"
       "...     torch.autograd.grad(...)\n");
-  return nodes_to_list(call->planned_order());
+  return nodes_to_list(*order);
   END_HANDLE_TH_ERRORS
 }
 
@@ -132,7 +134,7 @@ PyObject* py_run_backward(
     return nullptr;
   }
   const bool grad_api_called = !accumulate_grad && inputs != nullptr;
-  auto results = run(request_from_python(
+  auto results = run_releasing_gil(request_from_python(
       tensors,
       grad_tensors,
       inputs,
@@ -214,7 +216,7 @@ PyObject* py_run_backward_implicit(
       0,
       THPVariable_Wrap(at::ones_like(tensor, at::MemoryFormat::Preserve)));
   StashedContext stashed_context;
-  auto results = run(request_from_python(
+  auto results = run_releasing_gil(request_from_python(
       outputs.get(),
       gradients.get(),
       args[3],
@@ -343,40 +345,7 @@ PyObject* py_defer_wait(PyObject* /*module*/, PyObject* tensor) {
       THPVariable_Check(tensor),
       "defer_wait expects a Tensor, got ",
       Py_TYPE(tensor)->tp_name);
-  return PyBool_FromLong(
-      BackwardCall::defer_wait_to_first_use(THPVariable_Unpack(tensor)));
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* py_set_auto_collective_priority(
-    PyObject* /*module*/,
-    PyObject* enabled) {
-  HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(
-      PyBool_Check(enabled),
-      "set_auto_collective_priority expects a bool, got ",
-      Py_TYPE(enabled)->tp_name);
-  set_auto_collective_priority(enabled == Py_True);
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* py_auto_collective_priority(
-    PyObject* /*module*/,
-    PyObject* /*unused*/) {
-  return PyBool_FromLong(auto_collective_priority());
-}
-
-PyObject* py_is_collective_node(PyObject* /*module*/, PyObject* node) {
-  HANDLE_TH_ERRORS
-  return PyBool_FromLong(is_collective_node(*checked_node_of(node)));
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* py_remember_python_node_type(PyObject* /*module*/, PyObject* node) {
-  HANDLE_TH_ERRORS
-  remember_python_node_type(*checked_node_of(node));
-  Py_RETURN_NONE;
+  return PyBool_FromLong(defer_wait_to_first_use(THPVariable_Unpack(tensor)));
   END_HANDLE_TH_ERRORS
 }
 
@@ -443,25 +412,6 @@ PyMethodDef methods[] = {
      "defer_wait(result) -> bool: from a collective's backward formula, hand "
      "its in-flight result to the engine to wait on at first use; False when "
      "not running as a torch_ext node (the caller must wait)."},
-    {"set_auto_collective_priority",
-     py_set_auto_collective_priority,
-     METH_O,
-     "set_auto_collective_priority(enabled): switch collectives' automatic "
-     "priority."},
-    {"auto_collective_priority",
-     py_auto_collective_priority,
-     METH_NOARGS,
-     "auto_collective_priority() -> bool."},
-    {"remember_python_node_type",
-     py_remember_python_node_type,
-     METH_O,
-     "remember_python_node_type(node): the grad_fn of a Python "
-     "autograd.Function, so the engine can recognise collectives' nodes."},
-    {"is_collective_node",
-     py_is_collective_node,
-     METH_O,
-     "is_collective_node(node) -> bool: whether the engine prioritises the "
-     "node as a collective."},
     {"backward_input",
      py_backward_input,
      METH_VARARGS,
@@ -497,6 +447,34 @@ PyMethodDef methods[] = {
      "torch_ext backward whose node runs on this thread."},
     {nullptr, nullptr, 0, nullptr}};
 
+// The names of trace::Kind and trace::PriorityFrom, indexed by their values,
+// which torch_ext/tracing.py reads rather than restating them.
+bool add_trace_names(PyObject* module) {
+  static_assert(
+      static_cast<int>(trace::Kind::kBackward) == 0 &&
+      static_cast<int>(trace::Kind::kNode) == 1 &&
+      static_cast<int>(trace::Kind::kCollectiveWait) == 2);
+  static_assert(
+      static_cast<int>(trace::PriorityFrom::kDefault) == 0 &&
+      static_cast<int>(trace::PriorityFrom::kSetPriority) == 1 &&
+      static_cast<int>(trace::PriorityFrom::kCallOverride) == 2 &&
+      static_cast<int>(trace::PriorityFrom::kAutoCollective) == 3 &&
+      static_cast<int>(trace::PriorityFrom::kPropagated) == 4);
+  THPObjectPtr kinds(
+      Py_BuildValue("(sss)", "backward", "node", "collective_wait"));
+  THPObjectPtr sources(Py_BuildValue(
+      "(Ossss)",
+      Py_None,
+      "set_priority",
+      "priorities",
+      "collective",
+      "propagated"));
+  return kinds && sources &&
+      PyModule_AddObjectRef(module, "trace_kinds", kinds.get()) == 0 &&
+      PyModule_AddObjectRef(module, "trace_priority_sources", sources.get()) ==
+      0;
+}
+
 PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     "torch_ext._C",
@@ -508,15 +486,19 @@ PyModuleDef module_def = {
 } // namespace torch_ext
 
 PyMODINIT_FUNC PyInit__C() {
-  torch_ext::set_anomaly_metadata_copier(torch_ext::copy_anomaly_metadata);
+  // Python's answers to the engine's questions (engine/host_callbacks.h),
+  // before any backward can run.
+  torch_ext::HostCallbacks python;
+  torch_ext::fill_collective_callbacks(python);
+  torch_ext::fill_split_callbacks(python);
+  python.copy_anomaly_metadata = torch_ext::copy_anomaly_metadata;
+  torch_ext::install_host_callbacks(python);
   PyObject* module = PyModule_Create(&torch_ext::module_def);
   if (module != nullptr &&
       (!torch_ext::init_split_bindings(module) ||
-       !torch_ext::init_engine_info_bindings(module))) {
-    Py_DECREF(module);
-    return nullptr;
-  }
-  if (module != nullptr && !torch_ext::init_collective_bindings(module)) {
+       !torch_ext::init_engine_info_bindings(module) ||
+       !torch_ext::init_collective_bindings(module) ||
+       !torch_ext::add_trace_names(module))) {
     Py_DECREF(module);
     return nullptr;
   }

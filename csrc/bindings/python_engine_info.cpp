@@ -3,10 +3,9 @@
 // init_engine_info_bindings (python_bindings.cpp).
 
 #include "bindings/python_engine_info.h"
-#include "engine/current_node.h"
-
-#include "engine/backward_call.h"
-#include "engine/plan_cache.h"
+#include "engine/plan/plan_cache.h"
+#include "engine/run/current_node.h"
+#include "engine/run/ordered_delivery.h"
 
 #include <torch/csrc/utils/pybind.h>
 
@@ -39,6 +38,15 @@ PyObject* py_current_node_state(PyObject* /*module*/, PyObject* /*unused*/) {
       break;
   }
   return PyUnicode_FromString("unknown");
+}
+
+PyObject* py_set_current_node_forced_off(PyObject* /*module*/, PyObject* off) {
+  const int forced_off = PyObject_IsTrue(off);
+  if (forced_off < 0) {
+    return nullptr;
+  }
+  set_current_node_forced_off(forced_off != 0);
+  Py_RETURN_NONE;
 }
 
 PyObject* py_plan_cache_stats(PyObject* /*module*/, PyObject* reset) {
@@ -83,6 +91,11 @@ PyMethodDef engine_info_methods[] = {
      "_current_node_state() -> 'available', 'unavailable' or 'unknown' (before "
      "the process's first torch_ext backward): whether nodes are made the "
      "current autograd node while they run (current_node.cpp)."},
+    {"_set_current_node_forced_off",
+     py_set_current_node_forced_off,
+     METH_O,
+     "_set_current_node_forced_off(off): TORCH_EXT_CURRENT_NODE=off, as "
+     "torch_ext/_loader.py parsed it; set before the first backward."},
     {"_held_gradient_stats",
      py_held_gradient_stats,
      METH_O,

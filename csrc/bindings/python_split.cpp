@@ -7,11 +7,9 @@
 // would have needed.
 
 #include "bindings/python_split.h"
-#include "engine/needs_input_grad.h"
-
-#include "engine/backward_request.h"
-#include "engine/batched_accumulation.h"
-#include "engine/split_backward.h"
+#include "bindings/python_request.h"
+#include "engine/split/batched_accumulation.h"
+#include "engine/split/split_backward.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_function.h>
@@ -58,7 +56,8 @@ PyObject* wrap_state(std::shared_ptr<SplitState> state) {
   return obj;
 }
 
-// NeedsInputGradHooks: the narrowed tuple replaces the Function's own while
+// HostCallbacks::narrow_needs_input_grad and restore_needs_input_grad: the
+// narrowed tuple replaces the Function's own while
 // its backward runs; the token is the original tuple (a strong reference).
 //
 // A custom Function's node is the one whose Python object is a THPFunction
@@ -322,9 +321,12 @@ bool init_split_bindings(PyObject* module) {
     Py_DECREF(&split_state_type);
     return false;
   }
-  set_needs_input_grad_hooks(
-      {narrow_needs_input_grad, restore_needs_input_grad});
   return true;
+}
+
+void fill_split_callbacks(HostCallbacks& callbacks) {
+  callbacks.narrow_needs_input_grad = narrow_needs_input_grad;
+  callbacks.restore_needs_input_grad = restore_needs_input_grad;
 }
 
 } // namespace torch_ext

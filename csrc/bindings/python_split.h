@@ -3,6 +3,8 @@
 // torch_ext._C's split-backward entry points (python_split.cpp), listed in
 // the module's method table in python_bindings.cpp.
 
+#include "engine/host_callbacks.h"
+
 #include <Python.h>
 
 namespace torch_ext {
@@ -17,8 +19,12 @@ PyObject* py_weight_accumulation_batching(PyObject* module, PyObject* unused);
 // _set_max_batched_gradient_bytes(n) -> previous n (for tests)
 PyObject* py_set_max_batched_gradient_bytes(PyObject* module, PyObject* bytes);
 
-// Adds the SplitState type to `module` and lets split passes narrow custom
-// Functions' ctx.needs_input_grad. False, with a Python error set, on failure.
+// Adds the SplitState type to `module`. False, with a Python error set, on
+// failure.
 bool init_split_bindings(PyObject* module);
+
+// Lets split passes narrow custom Functions' ctx.needs_input_grad: sets the
+// entries of `callbacks` that do.
+void fill_split_callbacks(HostCallbacks& callbacks);
 
 } // namespace torch_ext

@@ -4,15 +4,17 @@
 // torch_ext._C.run_backward (torch.autograd's engine call), the ops
 // torch.ops.torch_ext.backward/grad and split backward's input pass. Each
 // turns its roots, root gradients, inputs and flags into a BackwardRequest
-// here, so the checks and messages are stock's, made in stock's order
-// (THPEngine_run_backward in torch/csrc/autograd/python_engine.cpp), in one
-// place.
+// through RequestBuilder, so the checks and messages are stock's, made in
+// stock's order (THPEngine_run_backward in torch/csrc/autograd/
+// python_engine.cpp), in one place. The Python entry points unpack their
+// arguments in bindings/python_request.cpp and build the request here.
 
 #include "engine/engine_api.h"
 
-#include <Python.h>
+#include <ATen/core/List.h>
 
 #include <optional>
+#include <variant>
 
 namespace torch_ext {
 
@@ -29,18 +31,33 @@ struct BackwardRequest {
   std::vector<PriorityOverride> priority_overrides;
 };
 
-// torch._C._EngineBase.run_backward's arguments (tensors, grad_tensors,
-// inputs, flags) and torch_ext's `priorities`, [(node, priority,
-// propagate)]; `inputs` and `priorities` are null when not given.
-BackwardRequest request_from_python(
-    PyObject* tensors,
-    PyObject* grad_tensors,
-    PyObject* inputs,
-    CallOptions options,
-    bool allow_unreachable,
-    PyObject* priorities);
+// A root or an input as a call names it: a tensor, or the edge of a
+// torch.autograd.graph.GradientEdge.
+using GraphEndpoint = std::variant<at::Tensor, Edge>;
 
-// The same from tensors (the ops' schemas): every root and input a Tensor.
+// Adds roots, each followed by its gradient, then inputs, checking each as
+// stock does at the same point.
+class RequestBuilder {
+ public:
+  RequestBuilder(
+      size_t num_roots,
+      size_t num_root_grads,
+      CallOptions options,
+      bool allow_unreachable);
+
+  void add_root(const GraphEndpoint& root);
+  // The gradient of the root added last; nullopt for None.
+  void add_root_grad(std::optional<at::Tensor> grad);
+  void expect_inputs(size_t count);
+  void add_input(const GraphEndpoint& input);
+  BackwardRequest finish(std::vector<PriorityOverride> priority_overrides);
+
+ private:
+  BackwardRequest request_;
+  std::optional<at::Tensor> last_root_tensor_;
+};
+
+// The request from tensors (the ops' schemas): every root and input a Tensor.
 BackwardRequest request_from_tensors(
     at::TensorList roots,
     const c10::List<std::optional<at::Tensor>>& root_grads,
@@ -48,16 +65,11 @@ BackwardRequest request_from_tensors(
     CallOptions options,
     bool allow_unreachable);
 
-// Runs `request` on torch_ext's engine, releasing the GIL if the caller holds
-// it. For grad() (inputs named, accumulate_grad false): the gradient of each
-// input, with stock's error for an unreachable one unless allowed.
+// Runs `request` on torch_ext's engine; the caller must not hold the GIL
+// (bindings/python_request.h releases it). For grad() (inputs named,
+// accumulate_grad false): the gradient of each input, with stock's error for
+// an unreachable one unless allowed.
 variable_list run(BackwardRequest request);
-
-// [(node, priority, propagate), ...] as built by torch_ext.priority.
-std::vector<PriorityOverride> parse_priority_overrides(PyObject* overrides);
-
-// The edges of a tuple of torch.autograd.graph.GradientEdges.
-edge_list gradient_edges_from_python(PyObject* tuple);
 
 // The edge whose gradient grad()/backward(inputs=) is asked for, as stock's
 // run_backward resolves a tensor input: its grad_fn, or its AccumulateGrad if
@@ -65,10 +77,11 @@ edge_list gradient_edges_from_python(PyObject* tuple);
 // backward(inputs=) also retains the gradient of a non-leaf input.
 Edge input_edge(const at::Tensor& input, bool accumulate_grad);
 
-// A tuple of the tensors (None for an undefined one).
-PyObject* wrap_tensors(const variable_list& tensors);
-
-// The C++ node behind a torch.autograd.graph.Node, or a TypeError.
-c10::intrusive_ptr<Node> checked_node_of(PyObject* obj);
+// What every call does with its roots before it runs, as stock's
+// Engine::execute does: checks each root gradient against its root's
+// metadata, and takes a sequence number for the GraphRoot node stock builds
+// unless there is exactly one root, so that forward ops recorded afterwards
+// are numbered as on stock. run_backward and split backward's input pass.
+void prepare_roots(const edge_list& roots, variable_list& root_grads);
 
 } // namespace torch_ext

@@ -1,11 +1,22 @@
 #pragma once
 
 // The engine's entry point, shared by the torch.library op registrations
-// (ops.cpp) and the Python bindings (python_bindings.cpp).
+// (ops.cpp) and the Python bindings (python_bindings.cpp). The engine's
+// questions to Python go through engine/host_callbacks.h.
 
-#include "engine/backward_call.h"
+#include "engine/call_options.h"
+#include "engine/plan/priority_table.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <vector>
 
 namespace torch_ext {
+
+using torch::autograd::Edge;
+using torch::autograd::edge_list;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
 
 // Runs backward from `roots` (seeded with `root_grads`) on torch_ext's engine,
 // inside one stock graph task, on the calling thread; the caller must not hold
@@ -20,11 +31,5 @@ variable_list run_backward(
     const edge_list& inputs,
     CallOptions options,
     std::vector<PriorityOverride> priority_overrides = {});
-
-// Anomaly mode reports the failing node's forward stack. The stack lives in
-// Python (PyAnomalyMetadata); the bindings install a copier so this C++ core
-// needs no Python headers.
-using AnomalyMetadataCopier = void (*)(Node& from, Node& to);
-void set_anomaly_metadata_copier(AnomalyMetadataCopier copier);
 
 } // namespace torch_ext

@@ -1,9 +1,9 @@
 // Plan once, replay after: see plan_cache.h.
 
-#include "engine/plan_cache.h"
+#include "engine/plan/plan_cache.h"
 
-#include "collectives/collective_nodes.h"
-#include "engine/schedule_replay.h"
+#include "collectives/collective_role.h"
+#include "engine/plan/schedule_replay.h"
 
 #include <algorithm>
 #include <atomic>
@@ -150,11 +150,7 @@ bool rebind(
         (fn->topological_nr() >= min_topo_nr) != slot.expanded) {
       return false;
     }
-    const CollectiveRole role = collective_role(*fn);
-    if (is_launch(role) != slot.collective ||
-        (role == CollectiveRole::kLane) != slot.runs_in_lane ||
-        (role == CollectiveRole::kWait) != slot.collective_wait ||
-        (slot.collective && defers_its_wait(*fn) != slot.defers_wait)) {
+    if (collective_flags_of(*fn) != slot.collective_flags()) {
       return false;
     }
     if (t.key.has_priorities &&

@@ -31,7 +31,7 @@
 // The state between the passes holds C++ references only (nodes, tensors),
 // never a Python object, so it cannot be part of a reference cycle.
 
-#include "engine/backward_call.h"
+#include "engine/plan/graph_plan.h"
 
 #include <memory>
 #include <string>

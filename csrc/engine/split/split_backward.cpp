@@ -3,18 +3,17 @@
 // kRunAndKeep, kCaptureAndKeep); the dW plan resumes it (kResumeKept) and
 // runs the weight subgraph. The executor runs both like any plan.
 
-#include "engine/split_backward.h"
-#include "engine/host_task.h"
-#include "engine/schedule_replay.h"
+#include "engine/split/split_backward.h"
+#include "engine/backward_request.h"
+#include "engine/plan/schedule_replay.h"
+#include "engine/run/run_call.h"
+#include "engine/split/batched_accumulation.h"
 
-#include "engine/batched_accumulation.h"
-
-#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/input_metadata.h>
 
 #include <algorithm>
 #include <atomic>
+#include <numeric>
 #include <sstream>
 #include <unordered_set>
 
@@ -59,13 +58,6 @@ struct SplitState {
 
 namespace {
 
-std::optional<c10::Stream> producer_stream_of(const at::Tensor& grad) {
-  if (!grad.defined()) {
-    return std::nullopt;
-  }
-  return torch::autograd::InputMetadata(grad).stream();
-}
-
 // Whether each slot leads to one of `weight_slots` (a weight's slot included).
 std::vector<char> leads_to_weight(
     const GraphPlan& plan,
@@ -75,38 +67,14 @@ std::vector<char> leads_to_weight(
   for (const int32_t slot : weight_slots) {
     leads[slot] = 1;
   }
-  auto num_edges = [&](int32_t slot) -> size_t {
-    const NodeSlot& node = plan.slots[slot];
-    return node.expanded ? node.fn->next_edges().size() : 0;
-  };
-  // Post-order, children before parents; the plan is a DAG.
-  std::vector<char> visited(num_slots, 0);
-  std::vector<std::pair<int32_t, size_t>> stack; // (slot, next edge)
-  for (size_t start = 0; start < num_slots; ++start) {
-    if (visited[start]) {
-      continue;
+  std::vector<int32_t> every_slot(num_slots);
+  std::iota(every_slot.begin(), every_slot.end(), 0);
+  for_each_in_post_order(plan, every_slot, [&](int32_t slot) {
+    for (size_t i = 0; i < plan.num_edges(slot) && !leads[slot]; ++i) {
+      const int32_t child = plan.target_of(slot, i);
+      leads[slot] = child != kNoSlot && leads[child];
     }
-    visited[start] = 1;
-    stack.emplace_back(static_cast<int32_t>(start), 0);
-    while (!stack.empty()) {
-      const int32_t slot = stack.back().first;
-      const size_t edge = stack.back().second;
-      if (edge < num_edges(slot)) {
-        ++stack.back().second;
-        const int32_t child = plan.target_of(slot, edge);
-        if (child != kNoSlot && !visited[child]) {
-          visited[child] = 1;
-          stack.emplace_back(child, 0);
-        }
-        continue;
-      }
-      for (size_t i = 0; i < num_edges(slot) && !leads[slot]; ++i) {
-        const int32_t child = plan.target_of(slot, i);
-        leads[slot] = child != kNoSlot && leads[child];
-      }
-      stack.pop_back();
-    }
-  }
+  });
   return leads;
 }
 
@@ -387,14 +355,7 @@ InputPassResult backward_input(
     const variable_list& weights,
     bool keep_graph,
     bool allow_unused) {
-  torch::autograd::validate_outputs(
-      roots,
-      root_grads,
-      [](const std::string& msg) { return msg; });
-  if (roots.size() != 1) {
-    // Stock's GraphRoot takes a sequence number (see run_backward).
-    at::sequence_number::get_and_increment();
-  }
+  prepare_roots(roots, root_grads);
 
   auto state = std::make_shared<SplitState>();
   state->weights = weights;
@@ -418,25 +379,26 @@ InputPassResult backward_input(
       allow_unused,
       *state)
       .rewrite(plan);
+  SplitPass pass;
+  pass.plan = std::move(plan);
+  pass.kept = &state->kept;
+  pass.trace_label = "backward_input";
+  // The host task retains the graph: frontier nodes keep their saved
+  // variables whatever the caller asked, and nodes that read the host's
+  // keep_graph (AOTAutograd's compiled backward frees saved tensors on use
+  // without it) must not free what the weight pass needs.
+  pass.host_keeps_graph = true;
   // Only the weight pass's root gradients are kept (in the state); no other
   // reference may stay, or input buffers would not accumulate in place.
-  BackwardCall call(
+  variable_list input_grads = run_call(
       roots,
       std::move(root_grads),
       inputs,
       {/*keep_graph=*/keep_graph,
        /*create_graph=*/false,
        /*accumulate_grad=*/false},
-      {});
-  call.use_plan(std::move(plan));
-  call.set_kept_nodes(&state->kept);
-  call.set_trace_label("backward_input");
-  // The host task retains the graph: frontier nodes keep their saved
-  // variables whatever the caller asked, and nodes that read the host's
-  // keep_graph (AOTAutograd's compiled backward frees saved tensors on use
-  // without it) must not free what the weight pass needs.
-  run_in_host_task(call, /*keep_graph=*/true, /*filtered=*/true);
-  variable_list input_grads = call.take_captured();
+      {},
+      &pass);
   unshare_input_grads_from_state(input_grads, *state);
   return {std::move(input_grads), std::move(state)};
 }
@@ -462,24 +424,25 @@ variable_list backward_weight(SplitState& state, bool keep_graph) {
       root_grads.push_back(std::move(root.grad));
       root_streams.push_back(root.stream);
     }
-    BackwardCall call(
-        std::move(roots),
-        std::move(root_grads),
-        {},
-        {/*keep_graph=*/keep_graph,
-         /*create_graph=*/false,
-         /*accumulate_grad=*/true},
-        {});
     AccumulationBatch batch;
-    call.use_plan(std::move(state.weight_plan));
-    call.set_kept_nodes(&state.kept);
-    call.set_root_streams(std::move(root_streams));
-    call.set_trace_label("backward_weight");
+    SplitPass pass;
+    pass.plan = std::move(state.weight_plan);
+    pass.kept = &state.kept;
+    pass.root_streams = std::move(root_streams);
+    pass.trace_label = "backward_weight";
     if (AccumulationBatch::available()) {
-      call.set_accumulation_batch(&batch);
+      pass.batch = &batch;
     }
     try {
-      run_in_host_task(call, keep_graph, /*filtered=*/true);
+      run_call(
+          std::move(roots),
+          std::move(root_grads),
+          {},
+          {/*keep_graph=*/keep_graph,
+           /*create_graph=*/false,
+           /*accumulate_grad=*/true},
+          {},
+          &pass);
     } catch (...) {
       // Stock would have accumulated these before the error.
       batch.flush();

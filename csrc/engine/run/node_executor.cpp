@@ -2,14 +2,16 @@
 // tensor pre-hooks -> retains_grad hooks -> node pre-hooks ->
 // will_release_variables -> apply -> validate_outputs -> post hooks ->
 // release_variables -> deliver each output to its next edge's input buffer.
-// (Engine::evaluate_function and call_function in engine.cpp.)
+// (Engine::evaluate_function and call_function in engine.cpp.) The steps it
+// shares with lane nodes are in node_steps.h; a gradient into an input the
+// plan orders goes through OrderedDelivery (ordered_delivery.h); lane nodes
+// are collective_sequence.cpp's.
 
-#include "collectives/collective_lane.h"
-#include "collectives/collective_nodes.h"
-#include "engine/backward_call.h"
-#include "engine/batched_accumulation.h"
-#include "engine/needs_input_grad.h"
-#include "engine/running_node.h"
+#include "engine/host_callbacks.h"
+#include "engine/run/backward_call.h"
+#include "engine/run/deferred_accumulation.h"
+#include "engine/run/node_steps.h"
+#include "engine/run/running_node.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/grad_mode.h>
@@ -17,76 +19,14 @@
 #include <ATen/ops/isnan.h>
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
-#include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
-
-#include <sstream>
 
 namespace torch_ext {
 namespace {
 
 using torch::autograd::AnomalyMode;
-
-// The hooks before apply() replace the gradients in place: passing the
-// vector by value through each caller moved it twice per node.
-void call_tensor_pre_hooks(Node& fn, variable_list& inputs) {
-  for (const auto& hook : fn.tensor_pre_hooks()) {
-    inputs = (*hook)(inputs);
-  }
-  for (const auto& [_, hook] : fn.retains_grad_hooks()) {
-    inputs = (*hook)(inputs);
-  }
-}
-
-void call_pre_hooks(Node& fn, variable_list& inputs) {
-  for (const auto& hook : fn.pre_hooks()) {
-    inputs = (*hook)(inputs);
-  }
-}
-
-variable_list call_post_hooks(
-    Node& fn,
-    variable_list outputs,
-    const variable_list& inputs,
-    bool had_post_hooks) {
-  for (const auto& hook : fn.post_hooks()) {
-    if (had_post_hooks) {
-      outputs = (*hook)(outputs, inputs);
-    } else {
-      // A pre-hook or the node itself registered this hook while running.
-      variable_list null_inputs;
-      outputs = (*hook)(outputs, null_inputs);
-    }
-  }
-  return outputs;
-}
-
-void call_hooks_before_apply(Node& fn, variable_list& inputs) {
-  call_tensor_pre_hooks(fn, inputs);
-  call_pre_hooks(fn, inputs);
-}
-
-// What follows apply(): its outputs checked against the node's edges, then
-// its post hooks, which see `inputs` if they were registered before it ran.
-variable_list validate_and_post_hooks(
-    Node& fn,
-    variable_list&& outputs,
-    const variable_list& inputs,
-    bool has_post_hooks) {
-  torch::autograd::validate_outputs(
-      fn.next_edges(),
-      outputs,
-      [&](const std::string& msg) {
-        std::ostringstream ss;
-        ss << "Function " << fn.name() << " returned an " << msg;
-        return std::move(ss).str();
-      });
-  return call_post_hooks(fn, std::move(outputs), inputs, has_post_hooks);
-}
 
 variable_list apply_and_post_hooks(
     Node& fn,
@@ -173,45 +113,6 @@ void prepare_for_accelerator_grad(InputBuffer& inputs, const at::Tensor& grad) {
   inputs.ready_streams.resize(n);
 }
 
-// Stock's NodeGuard: `node` is the current node while it runs.
-class CurrentNodeGuard {
- public:
-  CurrentNodeGuard(c10::intrusive_ptr<Node>* slot, Node& node) : slot_(slot) {
-    if (slot_ != nullptr) {
-      previous_ = std::exchange(*slot_, node.getptr());
-    }
-  }
-  ~CurrentNodeGuard() {
-    if (slot_ != nullptr) {
-      *slot_ = std::move(previous_);
-    }
-  }
-  CurrentNodeGuard(const CurrentNodeGuard&) = delete;
-  CurrentNodeGuard& operator=(const CurrentNodeGuard&) = delete;
-
- private:
-  c10::intrusive_ptr<Node>* slot_;
-  c10::intrusive_ptr<Node> previous_;
-};
-
-thread_local const RunningNode* running_node = nullptr;
-
-class RunningNodeScope {
- public:
-  explicit RunningNodeScope(const RunningNode& node)
-      : previous_(std::exchange(running_node, &node)) {}
-  ~RunningNodeScope() {
-    running_node = previous_;
-  }
-  RunningNodeScope(const RunningNodeScope&) = delete;
-  RunningNodeScope& operator=(const RunningNodeScope&) = delete;
-
- private:
-  const RunningNode* previous_;
-};
-
-NeedsInputGradHooks needs_input_grad_hooks;
-
 // ctx.needs_input_grad of a custom Python Function, narrowed for the pass
 // while the node runs (GraphPlan::narrows_needs_input_grad).
 class NarrowedNeedsInputGrad {
@@ -219,12 +120,10 @@ class NarrowedNeedsInputGrad {
   NarrowedNeedsInputGrad(Node& fn, bool narrow)
       : fn_(fn),
         token_(
-            narrow && needs_input_grad_hooks.narrow != nullptr
-                ? needs_input_grad_hooks.narrow(fn)
-                : nullptr) {}
+            narrow ? host_callbacks().narrow_needs_input_grad(fn) : nullptr) {}
   ~NarrowedNeedsInputGrad() {
     if (token_ != nullptr) {
-      needs_input_grad_hooks.restore(fn_, token_);
+      host_callbacks().restore_needs_input_grad(fn_, token_);
     }
   }
   NarrowedNeedsInputGrad(const NarrowedNeedsInputGrad&) = delete;
@@ -235,58 +134,7 @@ class NarrowedNeedsInputGrad {
   void* token_;
 };
 
-// Starts the traced span of the node in `index`: its name, sequence_nr,
-// effective priority and where that came from.
-int32_t begin_node_event(
-    trace::CallTrace& trace,
-    const GraphPlan& plan,
-    int32_t index) {
-  const NodeSlot& slot = plan.slots[index];
-  // name() of a Python Function's node takes the GIL: paid only while tracing.
-  std::string name = slot.fn->name();
-  const PrioritySource source = plan.priority_sources.empty()
-      ? PrioritySource{}
-      : plan.priority_sources[index];
-  std::string origin_name;
-  if (source.origin != nullptr) {
-    origin_name = source.origin->name();
-  }
-  const int32_t event_index = trace.begin(
-      trace::Kind::kNode,
-      std::move(name),
-      trace::traced_sequence_nr(slot.fn->sequence_nr()));
-  trace::Event& event = trace.event(event_index);
-  event.collective = slot.collective;
-  event.priority = plan.priority.empty() ? 0 : plan.priority[index];
-  event.priority_from = source.from;
-  event.origin_from = source.origin_from;
-  if (source.origin != nullptr) {
-    event.origin_name = std::move(origin_name);
-    event.origin_sequence_nr =
-        trace::traced_sequence_nr(source.origin->sequence_nr());
-  }
-  return event_index;
-}
-
 } // namespace
-
-const RunningNode* running_node_now() {
-  return running_node;
-}
-
-void set_needs_input_grad_hooks(NeedsInputGradHooks hooks) {
-  needs_input_grad_hooks = hooks;
-}
-
-const BackwardCall* BackwardCall::running_call() {
-  const RunningNode* running = running_node;
-  if (running == nullptr ||
-      torch::autograd::get_current_graph_task_nodes_in_graph() !=
-          running->call->host_nodes_in_graph_) {
-    return nullptr;
-  }
-  return running->call;
-}
 
 ReadyNode BackwardCall::ready_key(int32_t target) const {
   return torch_ext::ready_key(
@@ -340,44 +188,15 @@ void BackwardCall::deliver(
   if (ordered == kNoSlot) {
     add_to_input(target, input_nr, std::move(grad), producer_stream);
   } else {
-    OrderedInput& order = ordered_inputs_[ordered];
-    const uint32_t rank = plan_.stock_rank_of_edge[edge];
-    if (rank != order.next_rank) {
-      // Ahead of its turn: an earlier gradient in stock's order is still to
-      // come, so this one cannot be its node's input yet.
-      TORCH_INTERNAL_ASSERT(rank > order.next_rank && !ready);
-      if (grad.defined()) {
-        held_bytes_ += static_cast<int64_t>(grad.nbytes());
-        peak_held_bytes_ = std::max(peak_held_bytes_, held_bytes_);
-      }
-      ++held_count_;
-      order.held.push_back({rank, std::move(grad), producer_stream});
-      return;
-    }
-    add_to_input(target, input_nr, std::move(grad), producer_stream);
-    ++order.next_rank;
-    // Add the held gradients whose turn has come. A handful at most: a
-    // linear search beats keeping them sorted.
-    for (size_t i = 0; i < order.held.size();) {
-      if (order.held[i].rank != order.next_rank) {
-        ++i;
-        continue;
-      }
-      HeldGradient held = std::move(order.held[i]);
-      order.held[i] = std::move(order.held.back());
-      order.held.pop_back();
-      if (held.grad.defined()) {
-        held_bytes_ -= static_cast<int64_t>(held.grad.nbytes());
-      }
-      add_to_input(
-          target,
-          input_nr,
-          std::move(held.grad),
-          held.producer_stream);
-      ++order.next_rank;
-      i = 0;
-    }
-    TORCH_INTERNAL_ASSERT(!ready || order.held.empty());
+    ordered_delivery_.arrive(
+        ordered,
+        plan_.stock_rank_of_edge[edge],
+        std::move(grad),
+        producer_stream,
+        ready,
+        [&](at::Tensor&& in_turn, const std::optional<c10::Stream>& stream) {
+          add_to_input(target, input_nr, std::move(in_turn), stream);
+        });
   }
   if (ready) {
     ready_.push(ready_key(target));
@@ -424,9 +243,9 @@ std::optional<variable_list> BackwardCall::run_node_action(
     // which run in call_function.
     capture(index, buffered, node_stream);
   }
-  if (batch_ != nullptr && AccumulationBatch::has_hooks(fn)) {
+  if (batch_ != nullptr) {
     // A hook may read a weight's .grad that the batch holds back.
-    batch_->flush();
+    batch_->before_node(fn);
   }
   // A collective's backward formula may hand its in-flight result to this
   // call (defer_wait_to_first_use) while the node runs.
@@ -443,17 +262,16 @@ std::optional<variable_list> BackwardCall::run_node_action(
         try {
           outputs = call_function(fn, std::move(buffered), keep_graph);
         } catch (...) {
-          std::rethrow_exception(name_collective_node_in_error(
-              std::current_exception(),
-              fn,
-              /*in_lane=*/false));
+          std::rethrow_exception(
+              host_callbacks().name_collective_node_in_error(
+                  std::current_exception(),
+                  fn,
+                  /*in_lane=*/false));
         }
       } else {
         outputs = call_function(fn, std::move(buffered), keep_graph);
       }
-      if (!keep_graph) {
-        fn.release_variables();
-      }
+      release_unless_kept(fn, keep_graph);
       return outputs;
     }
     case NodeAction::kRunAndKeep:
@@ -472,9 +290,7 @@ std::optional<variable_list> BackwardCall::run_node_action(
       NarrowedNeedsInputGrad narrowed(fn, plan_.narrows_needs_input_grad);
       variable_list outputs =
           apply_and_post_hooks(fn, std::move(inputs), keep_graph);
-      if (!keep_graph) {
-        fn.release_variables();
-      }
+      release_unless_kept(fn, keep_graph);
       return outputs;
     }
     case NodeAction::kCaptureOnly:
@@ -528,9 +344,7 @@ variable_list BackwardCall::run_and_keep(
       }
     }
     kept.outputs = std::move(kept_outputs);
-    if (!options_.keep_graph) {
-      fn.release_variables();
-    }
+    release_unless_kept(fn, options_.keep_graph);
   } else {
     // Partial: the later pass computes every one of them again.
     kept.inputs = std::move(inputs_for_later_pass);
@@ -580,14 +394,7 @@ void BackwardCall::execute_node(int32_t index) {
       kTraced ? trace_.get() : nullptr,
       trace_event);
 
-  // Stock restores the graph task's whole thread-local state before every
-  // node, so state a hook or node leaves behind does not leak into the next
-  // node. Restoring all of it (at::ThreadLocalState) measured 1.5 us per node
-  // here, more than the rest of torch_ext's per-node work; the two parts a
-  // hook realistically leaves changed are restored: autograd state (grad and
-  // inference mode) and the dispatch-key state that autocast toggles.
-  c10::AutogradState::set_tls_state(task_autograd_state_);
-  c10::impl::_force_tls_local_dispatch_key_set(task_dispatch_keys_);
+  enter_task_state();
 
   auto node_stream = inputs.opt_overridden_consumer_stream.has_value()
       ? inputs.opt_overridden_consumer_stream
@@ -595,14 +402,14 @@ void BackwardCall::execute_node(int32_t index) {
   c10::OptionalStreamGuard node_stream_guard{node_stream};
   wait_for_ready_inputs(inputs, node_stream);
   if (C10_UNLIKELY(slot.runs_in_lane) && node_stream.has_value() &&
-      lanes_ != nullptr) {
+      sequence_ != nullptr) {
     // A lane node on an accelerator: its collective is issued on the
     // lane's side stream, so the streams of the nodes run after it do not
     // wait for the communication; its outputs carry that stream, and their
     // readers wait on it through their input buffers' events.
     // Its group is not needed (one side stream per device), but asking
     // refuses one the engine can see is unsafe, as on CPU.
-    lane_group_key(fn);
+    host_callbacks().lane_group_key(fn);
     node_stream = move_to_side_stream(*node_stream, inputs.buffer);
     node_stream_guard.reset_stream(*node_stream);
   }
@@ -649,126 +456,6 @@ void BackwardCall::deliver_outputs(
         std::move(outputs[i]),
         node_stream,
         static_cast<int32_t>(slot.first_edge + i));
-  }
-}
-
-c10::Stream BackwardCall::move_to_side_stream(
-    const c10::Stream& node_stream,
-    const variable_list& inputs) {
-  const c10::Device device = node_stream.device();
-  auto side = side_streams_.find(device);
-  if (side == side_streams_.end()) {
-    const c10::impl::VirtualGuardImpl guard{device.type()};
-    side = side_streams_.emplace(device, guard.getNewStream(device)).first;
-  }
-  const c10::Stream lane_stream = side->second;
-  // The side stream starts after everything the node's own stream has
-  // queued, its inputs included (wait_for_ready_inputs made that stream
-  // wait for their producers).
-  c10::Event inputs_ready{device.type()};
-  inputs_ready.record(node_stream);
-  lane_stream.wait(inputs_ready);
-  // The inputs were allocated on other streams and are freed when the node
-  // returns, while the side stream may still read them: the caching
-  // allocator must not hand their memory out before it has.
-  for (const auto& input : inputs) {
-    if (input.defined() && input.device() == device) {
-      input.record_stream(lane_stream);
-    }
-  }
-  return lane_stream;
-}
-
-bool BackwardCall::runs_in_lane(int32_t index) const {
-  const NodeSlot& slot = plan_.slots[index];
-  // Only a node that runs whole (not captured, not split) leaves the engine
-  // thread, and only on CPU: on an accelerator its collective is issued on a
-  // stream and does not block the thread; the lane is a side stream there
-  // (move_to_side_stream).
-  return slot.runs_in_lane && slot.action == NodeAction::kRun &&
-      slot.first_capture == kNoSlot && !stream_of(*slot.fn).has_value();
-}
-
-void BackwardCall::dispatch_to_lane(int32_t index) {
-  NodeSlot& slot = plan_.slots[index];
-  Node& fn = *slot.fn;
-  // Asked first: a group the engine can see is unsafe raises here, before
-  // any hook of the node has run.
-  const uintptr_t group = lane_group_key(fn);
-  InputBuffer inputs = take_buffer(slot);
-  LaneNode& lane_node = in_lane_[index];
-  if (trace_ != nullptr) {
-    lane_node.trace_event = begin_node_event(*trace_, plan_, index);
-  }
-  // The hooks run here, on the engine thread, in execute_node's state; only
-  // apply() moves to the lane.
-  c10::AutogradState::set_tls_state(task_autograd_state_);
-  c10::impl::_force_tls_local_dispatch_key_set(task_dispatch_keys_);
-  if (slot.has_pending_wait) {
-    wait_pending(index);
-  }
-  variable_list grads = std::move(inputs.buffer);
-  {
-    CurrentNodeGuard current_node(current_node_slot_, fn);
-    const RunningNode running{this, &fn};
-    RunningNodeScope running_scope(running);
-    call_hooks_before_apply(fn, grads);
-  }
-  if (!options_.keep_graph) {
-    fn.will_release_variables();
-  }
-  lane_node.had_post_hooks = !fn.post_hooks().empty();
-  if (lane_node.had_post_hooks) {
-    lane_node.inputs = grads;
-  }
-  std::function<void()> before_apply;
-  if (order_check_ != nullptr) {
-    before_apply = [check = order_check_] { check->await(); };
-  }
-  lanes_->dispatch(
-      group,
-      index,
-      fn.getptr(),
-      std::move(grads),
-      at::ThreadLocalState(),
-      std::move(before_apply));
-}
-
-void BackwardCall::finish_lane_node(
-    int32_t index,
-    variable_list&& outputs,
-    std::exception_ptr error) {
-  Node& fn = *plan_.slots[index].fn;
-  auto entry = in_lane_.find(index);
-  TORCH_INTERNAL_ASSERT(entry != in_lane_.end());
-  LaneNode lane_node = std::move(entry->second);
-  in_lane_.erase(entry);
-  trace::EndOnExit end_trace_event(
-      lane_node.trace_event == trace::kNoEvent ? nullptr : trace_.get(),
-      lane_node.trace_event);
-  if (error) {
-    failed_node_ = &fn;
-    std::rethrow_exception(
-        name_collective_node_in_error(std::move(error), fn, /*in_lane=*/true));
-  }
-  c10::AutogradState::set_tls_state(task_autograd_state_);
-  c10::impl::_force_tls_local_dispatch_key_set(task_dispatch_keys_);
-  variable_list delivered;
-  try {
-    CurrentNodeGuard current_node(current_node_slot_, fn);
-    delivered = validate_and_post_hooks(
-        fn,
-        std::move(outputs),
-        lane_node.inputs,
-        lane_node.had_post_hooks);
-    lane_node.inputs.clear();
-    if (!options_.keep_graph) {
-      fn.release_variables();
-    }
-    deliver_outputs(index, delivered, std::nullopt);
-  } catch (...) {
-    failed_node_ = &fn;
-    throw;
   }
 }
 

@@ -1,16 +1,19 @@
 // The run loop of one call: the plan (discovered, or given by split
 // backward), published to the host task, seeded, then every ready node run
 // in the scheduler's order until none is left. Runs inside the host task's
-// BackwardDriver (host_task.cpp).
+// BackwardDriver (host/host_task.cpp), which it publishes its plan to. A call
+// with lane nodes or the collective order check runs collective_sequence.cpp's
+// loop instead.
 
-#include "collectives/collective_lane.h"
-#include "collectives/collective_nodes.h"
-#include "engine/backward_call.h"
-#include "engine/batched_accumulation.h"
-#include "engine/current_node.h"
-#include "engine/host_task.h"
-#include "engine/plan_cache.h"
-#include "engine/schedule_replay.h"
+#include "engine/host/host_task.h"
+#include "engine/plan/plan_cache.h"
+#include "engine/plan/schedule_replay.h"
+#include "engine/run/backward_call.h"
+#include "engine/run/collective_sequence.h"
+#include "engine/run/current_node.h"
+#include "engine/run/deferred_accumulation.h"
+#include "engine/run/run_call.h"
+#include "engine/run/running_node.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/grad_mode.h>
@@ -19,10 +22,6 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/input_metadata.h>
-
-#include <algorithm>
-#include <functional>
-#include <mutex>
 
 namespace torch_ext {
 namespace {
@@ -46,14 +45,14 @@ std::vector<c10::Stream> current_accelerator_streams() {
   return streams;
 }
 
+} // namespace
+
 std::optional<c10::Stream> producer_stream_of(const at::Tensor& grad) {
   if (!grad.defined()) {
     return std::nullopt;
   }
   return torch::autograd::InputMetadata(grad).stream();
 }
-
-} // namespace
 
 BackwardCall::BackwardCall(
     edge_list roots,
@@ -82,6 +81,36 @@ BackwardCall::BackwardCall(
 }
 
 BackwardCall::~BackwardCall() = default;
+
+variable_list run_call(
+    edge_list roots,
+    variable_list root_grads,
+    edge_list inputs,
+    CallOptions options,
+    std::vector<PriorityOverride> priority_overrides,
+    SplitPass* pass) {
+  // grad()/inputs= and split passes run a subset of the nodes.
+  const bool filtered = pass != nullptr || !inputs.empty();
+  const bool host_keeps_graph =
+      options.keep_graph || (pass != nullptr && pass->host_keeps_graph);
+  BackwardCall call(
+      std::move(roots),
+      std::move(root_grads),
+      std::move(inputs),
+      options,
+      std::move(priority_overrides));
+  if (pass != nullptr) {
+    call.use_plan(std::move(pass->plan));
+    call.set_kept_nodes(pass->kept);
+    call.set_accumulation_batch(pass->batch);
+    if (!pass->root_streams.empty()) {
+      call.set_root_streams(std::move(pass->root_streams));
+    }
+    call.set_trace_label(pass->trace_label);
+  }
+  run_in_host_task(call, host_keeps_graph, filtered);
+  return call.take_captured();
+}
 
 void BackwardCall::seed() {
   if (plan_.seeds_roots) {
@@ -153,7 +182,7 @@ void BackwardCall::run(Node* host_node) {
         options_.accumulate_grad,
         priorities_);
   }
-  ordered_inputs_.resize(plan_.num_ordered_inputs);
+  ordered_delivery_.resize(plan_.num_ordered_inputs);
   // Filling the host's nodes_in_graph makes _will_engine_execute_node and
   // register_multi_grad_hook(mode="all") see the real graph.
   publish_plan_to_host_task(plan_);
@@ -171,13 +200,13 @@ void BackwardCall::run(Node* host_node) {
 
   int32_t running = kNoSlot;
   try {
-    const bool checks_order_alone =
-        !uses_lanes() && plan_.has_collectives && collective_check_enabled();
+    const bool checks_order_alone = !uses_lanes() && plan_.has_collectives &&
+        host_callbacks().collective_check_enabled();
     if (checks_order_alone) {
       // Split backward's passes: no sequence to enforce (their kept and
       // resumed nodes are not replayed by it), but the ranks still compare
       // the collectives the plan will start, before the first starts.
-      build_collective_sequence();
+      begin_order_check(planned_collectives());
     }
     seed();
     const bool traced = trace_ != nullptr;
@@ -202,7 +231,7 @@ void BackwardCall::run(Node* host_node) {
         }
       }
     }
-    if (checks_order_alone) {
+    if (order_check_ != nullptr) {
       order_check_->await();
     }
     // Collective results no node read (dropped, or delivered to nodes that
@@ -214,10 +243,10 @@ void BackwardCall::run(Node* host_node) {
     if (running != kNoSlot) {
       failed_node_ = plan_.slots[running].fn;
     }
-    if (lanes_ != nullptr) {
+    if (sequence_ != nullptr) {
       // Before anything else: a lane may still be running a node of this
       // call. Its queued nodes are dropped.
-      lanes_->stop();
+      sequence_->lanes.stop();
     }
     if (order_check_ != nullptr) {
       order_check_->complete_after_error();
@@ -226,171 +255,42 @@ void BackwardCall::run(Node* host_node) {
     record_held_gradients();
     throw;
   }
-  if (lanes_ != nullptr) {
-    lanes_->stop();
+  if (sequence_ != nullptr) {
+    sequence_->lanes.stop();
   }
   record_held_gradients();
   sync_leaf_streams_with_caller();
 }
 
-void BackwardCall::build_collective_sequence() {
-  sequence_place_.assign(plan_.slots.size(), kNoSlot);
-  creation_place_.assign(plan_.slots.size(), kNoSlot);
-  std::vector<int32_t> sequence;
-  for (const int32_t s : planned_run_slots(plan_)) {
-    if (plan_.slots[s].collective) {
-      sequence_place_[s] = static_cast<int32_t>(sequence.size());
-      sequence.push_back(s);
-    }
-  }
-  // Every node of one graph was made on one thread in forward, whose
-  // sequence numbers only grow: sorting by them is creation order.
-  std::sort(sequence.begin(), sequence.end(), [&](int32_t a, int32_t b) {
-    return plan_.slots[a].fn->sequence_nr() < plan_.slots[b].fn->sequence_nr();
-  });
-  for (size_t i = 0; i < sequence.size(); ++i) {
-    creation_place_[sequence[i]] = static_cast<int32_t>(i);
-  }
-  if (collective_check_enabled()) {
-    std::vector<CheckedCollective> checked;
-    checked.reserve(sequence.size());
-    for (const int32_t s : planned_run_slots(plan_)) {
-      if (sequence_place_[s] != kNoSlot) {
-        checked.push_back({plan_.slots[s].fn, creation_place_[s]});
-      }
-    }
-    order_check_ = std::make_shared<CollectiveOrderCheck>(checked);
-  }
-}
-
-bool BackwardCall::may_start(int32_t slot) const {
-  const int32_t place = sequence_place_[slot];
-  if (place == kNoSlot) {
-    return true;
-  }
-  return place == next_in_sequence_ && (runs_in_lane(slot) || !lanes_->busy());
-}
-
-void BackwardCall::unpark() {
-  for (size_t i = 0; i < parked_.size(); ++i) {
-    if (may_start(parked_[i])) {
-      ready_.push(ready_key(parked_[i]));
-      parked_.erase(parked_.begin() + static_cast<std::ptrdiff_t>(i));
-      return; // one node has each place
-    }
-  }
-}
-
-void BackwardCall::await_order_check_before(int32_t slot) {
-  const NodeSlot& node = plan_.slots[slot];
-  // A hook may communicate (DDP's all_reduce, FSDP's reduce-scatter, a
-  // user's), on any group: none runs before the ranks agree, or a divergence
-  // would leave that group out of step on the ranks whose hook got there
-  // first. A lane node's collective awaits the verdict on its lane instead
-  // (dispatch_to_lane); its hooks run here.
-  if (AccumulationBatch::has_hooks(*node.fn) ||
-      (node.collective && !runs_in_lane(slot))) {
-    order_check_->await();
-    order_check_passed_ = true;
-  }
-}
-
-template <bool kTraced>
-void BackwardCall::run_with_lanes() {
-  build_collective_sequence();
-  lanes_ = std::make_unique<CollectiveLanes>();
-  // Ctrl-C while the engine waits for a lane (the collective releases the
-  // GIL; the engine thread holds none).
-  const std::function<void()> check_interrupt = [] { raise_if_interrupted(); };
-  while (true) {
-    if (lanes_->busy()) {
-      // Waits only when nothing else is ready to run.
-      const bool block = ready_.empty();
-      for (auto& finished : lanes_->take_finished(block, check_interrupt)) {
-        finish_lane_node(
-            finished.slot,
-            std::move(finished.outputs),
-            finished.error);
-      }
-      if (!lanes_->busy()) {
-        // A collective the engine issues itself may have waited for this.
-        unpark();
-      }
-    }
-    if (ready_.empty()) {
-      if (lanes_->busy()) {
-        continue;
-      }
-      break;
-    }
-    const int32_t slot = ready_.pop();
-    if (!may_start(slot)) {
-      parked_.push_back(slot);
-      continue;
-    }
-    if (order_check_ != nullptr && !order_check_passed_) {
-      await_order_check_before(slot);
-    }
-    try {
-      if (runs_in_lane(slot)) {
-        dispatch_to_lane(slot);
-      } else {
-        execute_node<kTraced>(slot);
-      }
-    } catch (...) {
-      if (failed_node_ == nullptr) {
-        failed_node_ = plan_.slots[slot].fn;
-      }
-      throw;
-    }
-    if (sequence_place_[slot] != kNoSlot) {
-      ++next_in_sequence_;
-      unpark();
-    }
-  }
-  if (order_check_ != nullptr) {
-    // A call that started no collective, or whose lanes raised first, still
-    // hears about a divergence before it returns.
-    order_check_->await();
-  }
-  // Every node of the sequence ran: nothing the plan runs is left parked.
-  TORCH_INTERNAL_ASSERT(
-      parked_.empty(),
-      "torch_ext: ",
-      parked_.size(),
-      " collective node(s) never reached their turn in the collective sequence");
-}
-
-template void BackwardCall::run_with_lanes<false>();
-template void BackwardCall::run_with_lanes<true>();
-
 std::vector<Node*> BackwardCall::planned_order() const {
   return planned_run_order(plan_);
 }
 
-namespace {
-std::mutex held_stats_mutex;
-HeldGradientStats held_stats;
-} // namespace
-
 void BackwardCall::record_held_gradients() const {
-  if (!plan_.stock_order_known) {
-    return;
+  if (plan_.stock_order_known) {
+    ordered_delivery_.record_held_gradients();
   }
-  std::lock_guard<std::mutex> lock(held_stats_mutex);
-  held_stats.ordered_calls += 1;
-  held_stats.held_gradients += held_count_;
-  held_stats.peak_held_bytes =
-      std::max(held_stats.peak_held_bytes, peak_held_bytes_);
 }
 
-HeldGradientStats held_gradient_stats(bool reset) {
-  std::lock_guard<std::mutex> lock(held_stats_mutex);
-  const HeldGradientStats stats = held_stats;
-  if (reset) {
-    held_stats = HeldGradientStats{};
+bool BackwardCall::host_task_is_current() const {
+  return torch::autograd::get_current_graph_task_nodes_in_graph() ==
+      host_nodes_in_graph_;
+}
+
+const RunningNode* running_node_under_host_task() {
+  const RunningNode* running = running_node_now();
+  if (running == nullptr || !running->call->host_task_is_current()) {
+    return nullptr;
   }
-  return stats;
+  return running;
+}
+
+std::optional<std::vector<Node*>> running_call_planned_order() {
+  const RunningNode* running = running_node_under_host_task();
+  if (running == nullptr) {
+    return std::nullopt;
+  }
+  return running->call->planned_order();
 }
 
 void BackwardCall::sync_leaf_streams_with_caller() {

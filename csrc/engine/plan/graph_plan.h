@@ -10,8 +10,8 @@
 // restores the whole thread-local state before every node, measured at ~38%
 // of its instructions on a chain of tiny ops; see node_executor.cpp.)
 
-#include "engine/priority_table.h"
-#include "engine/scheduler.h"
+#include "engine/plan/priority_table.h"
+#include "engine/plan/scheduler.h"
 #include "engine/trace.h"
 
 #include <torch/csrc/autograd/edge.h>
@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace torch_ext {
@@ -100,6 +101,20 @@ struct SlotBuffer {
   }
 };
 
+// What a node's collective role makes of its slot
+// (collectives/collective_role.h): the one rule, which discovery applies and
+// the plan cache checks a replayed node against.
+struct CollectiveFlags {
+  bool collective = false;
+  bool defers_wait = false;
+  bool runs_in_lane = false;
+  bool collective_wait = false;
+  bool operator==(const CollectiveFlags&) const = default;
+};
+// Asks the host for `fn`'s role (HostCallbacks::collective_role) and, for a
+// launch, whether it defers its wait (graph_discovery.cpp).
+CollectiveFlags collective_flags_of(const Node& fn);
+
 // One node reachable from the roots.
 struct NodeSlot {
   Node* fn = nullptr;
@@ -116,7 +131,8 @@ struct NodeSlot {
   // ExecInfo::needed_).
   bool needed = true;
   // The backward of a collective, prioritised automatically
-  // (collective_nodes.h).
+  // (collectives/collective_role.h). These four are the node's
+  // CollectiveFlags.
   bool collective = false;
   // A collective whose backward hands its result over in flight
   // (BackwardCall::defer_wait_to_first_use): torch_ext's own ops.
@@ -124,8 +140,9 @@ struct NodeSlot {
   // A synchronous collective declared to run beside the rest: the call hands
   // its apply() to the lane of its process group (collective_lane.h).
   bool runs_in_lane = false;
-  // The node waits for a collective's communication (collective_nodes.h):
-  // it is queued behind every other ready node of its priority.
+  // The node waits for a collective's communication
+  // (collectives/collective_role.h): it is queued behind every other ready node
+  // of its priority.
   bool collective_wait = false;
   // A gradient delivered to this node is a collective's result still in
   // flight (BackwardCall::defer_wait_to_first_use); wait before reading it.
@@ -134,6 +151,16 @@ struct NodeSlot {
   // kNoSlot. Captures of one node are contiguous.
   int32_t first_capture = kNoSlot;
   NodeAction action = NodeAction::kRun;
+
+  CollectiveFlags collective_flags() const {
+    return {collective, defers_wait, runs_in_lane, collective_wait};
+  }
+  void set_collective_flags(const CollectiveFlags& flags) {
+    collective = flags.collective;
+    defers_wait = flags.defers_wait;
+    runs_in_lane = flags.runs_in_lane;
+    collective_wait = flags.collective_wait;
+  }
   // Index of what a split pass keeps of this node (BackwardCall's kept
   // nodes), or kNoSlot.
   int32_t kept = kNoSlot;
@@ -233,7 +260,48 @@ struct GraphPlan {
   int32_t target_of(int32_t slot, size_t edge_index) const {
     return edge_targets[slots[slot].first_edge + edge_index];
   }
+  // How many edges of `slot` the plan has: its node's, if expanded.
+  size_t num_edges(int32_t slot) const {
+    const NodeSlot& node = slots[slot];
+    return node.expanded ? node.fn->next_edges().size() : 0;
+  }
 };
+
+// The one walk from nodes to what they lead to: calls visit(slot) once for
+// every slot reachable from `starts` (slots), after every slot its edges lead
+// to (the plan is a DAG). Used where a property flows from nodes to the nodes
+// before them: which nodes are needed, effective priorities, what leads to a
+// weight.
+template <typename Starts, typename Visit>
+void for_each_in_post_order(
+    const GraphPlan& plan,
+    const Starts& starts,
+    Visit&& visit) {
+  std::vector<char> visited(plan.slots.size(), 0);
+  std::vector<std::pair<int32_t, size_t>> stack; // (slot, next edge)
+  for (const int32_t start : starts) {
+    if (visited[start]) {
+      continue;
+    }
+    visited[start] = 1;
+    stack.emplace_back(start, 0);
+    while (!stack.empty()) {
+      const int32_t slot = stack.back().first;
+      const size_t edge = stack.back().second;
+      if (edge < plan.num_edges(slot)) {
+        ++stack.back().second;
+        const int32_t child = plan.target_of(slot, edge);
+        if (child != kNoSlot && !visited[child]) {
+          visited[child] = 1;
+          stack.emplace_back(child, 0);
+        }
+        continue;
+      }
+      visit(slot);
+      stack.pop_back();
+    }
+  }
+}
 
 // The scheduling rule, in its one home: the key `slot` is queued with when it
 // becomes ready. Its effective priority, then its sequence_nr, except that a

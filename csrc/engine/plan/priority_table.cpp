@@ -1,6 +1,6 @@
 // The process-wide priority table and its per-call snapshot.
 
-#include "engine/priority_table.h"
+#include "engine/plan/priority_table.h"
 
 #include <c10/util/intrusive_ptr.h>
 

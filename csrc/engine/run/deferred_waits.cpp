@@ -3,16 +3,14 @@
 // the call waits on it just before the first thing that reads it: the node
 // it is delivered to (execute_node), an accumulation into the same input
 // (add_to_input), or the end of the call. Everything scheduled in between
-// overlaps the communication. Portable: the host task is recognised by its
-// node set, not through the current-node slot (current_node.cpp).
+// overlaps the communication.
 
-#include "engine/backward_call.h"
-#include "engine/running_node.h"
-#include "engine/schedule_replay.h"
+#include "engine/plan/schedule_replay.h"
+#include "engine/run/backward_call.h"
+#include "engine/run/running_node.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 namespace torch_ext {
 namespace {
@@ -50,17 +48,16 @@ void BackwardCall::wait_traced(
   wait_collective_result(pending.result);
 }
 
-bool BackwardCall::defer_wait_to_first_use(const at::Tensor& result) {
-  const RunningNode* running = running_node_now();
-  if (running == nullptr || !result.defined()) {
+bool defer_wait_to_first_use(const at::Tensor& result) {
+  if (!result.defined()) {
     return false;
   }
   // A backward nested inside the node (stock's engine, reentrant
   // checkpoint) makes its own graph task current, and its nodes' outputs do
   // not go through this call's deliver(): only the node torch_ext runs right
-  // now, under its host task, may defer. (Portable: no current-node slot.)
-  if (torch::autograd::get_current_graph_task_nodes_in_graph() !=
-      running->call->host_nodes_in_graph_) {
+  // now, under its host task, may defer.
+  const RunningNode* running = running_node_under_host_task();
+  if (running == nullptr) {
     return false;
   }
   // Fake and functional tensors (torch.compile tracing the formula) are not

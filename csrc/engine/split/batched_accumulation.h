@@ -12,6 +12,8 @@
 // earlier, before anything could observe a .grad it holds back (a hook, the
 // host task's final callbacks).
 
+#include "engine/run/deferred_accumulation.h"
+
 #include <torch/csrc/autograd/function.h>
 
 #include <vector>
@@ -43,7 +45,7 @@ inline constexpr size_t kDefaultMaxBatchedGradientBytes = size_t{32} << 20;
 // For tests: sets the bound, returns the previous one.
 size_t set_max_batched_gradient_bytes(size_t bytes);
 
-class AccumulationBatch {
+class AccumulationBatch final : public DeferredAccumulation {
  public:
   // Whether batching can run at all: a mode other than kOff, and
   // torch_ext::multi_tensor_accumulate_ registered (torch_ext.kernels
@@ -61,12 +63,19 @@ class AccumulationBatch {
   // run).
   bool try_take(
       torch::autograd::Node& fn,
-      const torch::autograd::variable_list& grads);
+      const torch::autograd::variable_list& grads) override;
+
+  // Flushes before a node that has hooks (has_hooks).
+  void before_node(torch::autograd::Node& fn) override {
+    if (has_hooks(fn)) {
+      flush();
+    }
+  }
 
   // Accumulates everything taken, one multi-tensor call per device, and
   // forgets it. Also on the error path: what stock would have accumulated
   // before the error is accumulated.
-  void flush();
+  void flush() override;
 
  private:
   std::vector<at::Tensor> dsts_;

@@ -21,7 +21,7 @@
 // create_graph and anomaly mode are read from the nodes and the call while
 // running, never from the plan, so they do not enter the key.
 
-#include "engine/graph_plan.h"
+#include "engine/plan/graph_plan.h"
 
 namespace torch_ext {
 

@@ -1,4 +1,10 @@
-#include "collectives/collective_nodes.h"
+// The Python side of collectives: which node classes are collectives (the
+// role cache, the built-in rules' decider and explicit registrations), the
+// questions the engine asks torch_ext.lanes and torch_ext.collective_check
+// (installed as HostCallbacks), and their torch_ext._C bindings.
+
+#include "bindings/python_collectives.h"
+#include "bindings/python_request.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_function.h>
@@ -16,8 +22,6 @@
 
 namespace torch_ext {
 namespace {
-
-std::atomic<bool> auto_priority_enabled{true};
 
 // PyNode's type_info. libtorch_python does not export it (typeid(PyNode)
 // fails to link), so torch_ext learns it from a live PyNode at import
@@ -359,6 +363,252 @@ CollectiveRole role_of_class(PyTypeObject* node_class) {
   return decide_role(node_class);
 }
 
+// HostCallbacks::collective_role.
+CollectiveRole python_collective_role(const Node& fn) {
+  const std::type_info* python_node =
+      python_node_type.load(std::memory_order_relaxed);
+  // Address comparison: the one type_info object of PyNode lives in
+  // libtorch_python (this library cannot even name it), while
+  // type_info::operator== falls back to strcmp on the mangled names, which
+  // share their first 16 characters across torch's autograd nodes.
+  if (python_node == nullptr || &typeid(fn) != python_node) {
+    return CollectiveRole::kNone;
+  }
+  // Read without the GIL: a PyNode's Python object (its THPFunction) lives
+  // as long as the node, and so does its class.
+  PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
+  if (obj == nullptr) {
+    return CollectiveRole::kNone;
+  }
+  return role_of_class(Py_TYPE(obj));
+}
+
+// HostCallbacks::defers_its_wait.
+bool python_defers_its_wait(const Node& fn) {
+  // Only discovery calls this, for a node it found to be a launch (a PyNode),
+  // once per launch node: a handful per call.
+  const PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
+  constexpr std::string_view kOwnOps = "GeneratedBackwardFor_torch_ext_";
+  return obj != nullptr &&
+      std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) ==
+      kOwnOps;
+}
+
+// HostCallbacks::lane_group_key: asks torch_ext.lanes with the GIL, which
+// also refuses a group the engine can see is unsafe (DDP reducing on it).
+uintptr_t python_lane_group_key(const Node& fn) {
+  pybind11::gil_scoped_acquire gil;
+  TORCH_INTERNAL_ASSERT(
+      lane_group_resolver != nullptr,
+      "torch_ext.lanes is not imported");
+  PyObject* ctx = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
+  TORCH_INTERNAL_ASSERT(ctx != nullptr);
+  THPObjectPtr group(PyObject_CallOneArg(lane_group_resolver, ctx));
+  if (!group) {
+    throw python_error();
+  }
+  // The group outlives the call: the node's ctx holds it (ctx.group), or it
+  // is the default group. torch_ext.lanes holds it only weakly, so that
+  // destroy_process_group can free it (test_clean_exit.py says why).
+  return reinterpret_cast<uintptr_t>(group.get());
+}
+
+bool python_collective_check_enabled() {
+  return collective_check_on.load(std::memory_order_relaxed);
+}
+
+// The node as the checker names it: a Python Function's ctx (whose
+// ctx.group it reads), another node by its name(). With the GIL.
+PyObject* checked_node(const Node& fn) {
+  PyObject* ctx =
+      &typeid(fn) == python_node_type.load(std::memory_order_relaxed)
+      ? static_cast<const torch::autograd::PyNode&>(fn).pyobj()
+      : nullptr;
+  return ctx != nullptr ? Py_NewRef(ctx)
+                        : PyUnicode_FromString(fn.name().c_str());
+}
+
+// The gradients `fn` will be given, as their metadata says (validate_outputs
+// makes every producer's match it): (shape, dtype) each, None for a nested
+// tensor's. With the GIL.
+PyObject* expected_gradients(const Node& fn) {
+  THPObjectPtr gradients(PyList_New(static_cast<Py_ssize_t>(fn.num_inputs())));
+  if (!gradients) {
+    return nullptr;
+  }
+  for (uint32_t i = 0; i < fn.num_inputs(); ++i) {
+    const torch::autograd::InputMetadata& metadata = fn.input_metadata(i);
+    PyObject* gradient = nullptr;
+    if (metadata.was_default_constructed() || metadata.is_nested_tensor()) {
+      gradient = Py_NewRef(Py_None);
+    } else {
+      const c10::SymIntArrayRef sizes = metadata.shape_as_dim_vector();
+      THPObjectPtr shape(PyTuple_New(static_cast<Py_ssize_t>(sizes.size())));
+      if (!shape) {
+        return nullptr;
+      }
+      for (size_t d = 0; d < sizes.size(); ++d) {
+        const std::optional<int64_t> size = sizes[d].maybe_as_int();
+        PyObject* item = PyLong_FromLongLong(size.value_or(-1));
+        if (item == nullptr) {
+          return nullptr;
+        }
+        PyTuple_SET_ITEM(shape.get(), static_cast<Py_ssize_t>(d), item);
+      }
+      PyObject* dtype = reinterpret_cast<PyObject*>(
+          torch::getTHPDtype(metadata.dtype().toScalarType()));
+      gradient = PyTuple_Pack(2, shape.get(), dtype);
+    }
+    if (gradient == nullptr) {
+      return nullptr;
+    }
+    PyList_SET_ITEM(gradients.get(), static_cast<Py_ssize_t>(i), gradient);
+  }
+  return gradients.release();
+}
+
+// One call's check, in torch_ext.collective_check's hands: checker.begin's
+// exchange in flight, awaited with checker.wait.
+class PythonOrderCheck final : public CollectiveOrderCheck {
+ public:
+  PythonOrderCheck(PyObject* checker, PyObject* pending)
+      : checker_(checker), pending_(pending) {}
+  PythonOrderCheck(const PythonOrderCheck&) = delete;
+  PythonOrderCheck& operator=(const PythonOrderCheck&) = delete;
+
+  ~PythonOrderCheck() override {
+    if (!Py_IsInitialized()) {
+      return;
+    }
+    pybind11::gil_scoped_acquire gil;
+    Py_DECREF(pending_);
+    Py_DECREF(checker_);
+  }
+
+  void await() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!done_) {
+      done_ = true;
+      try {
+        pybind11::gil_scoped_acquire gil;
+        THPObjectPtr result(
+            PyObject_CallMethod(checker_, "wait", "O", pending_));
+        if (!result) {
+          // Fetched now: the mismatch may be rethrown on another thread.
+          python_error mismatch;
+          mismatch.persist();
+          throw mismatch;
+        }
+      } catch (...) {
+        mismatch_ = std::current_exception();
+      }
+    }
+    if (mismatch_) {
+      std::rethrow_exception(mismatch_);
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  bool done_ = false;
+  std::exception_ptr mismatch_;
+  // Owned references, released with the GIL.
+  PyObject* checker_;
+  PyObject* pending_;
+};
+
+// HostCallbacks::begin_collective_check: checker.begin(collectives), each
+// (node, identity, expected gradients), in the order the call starts them.
+std::shared_ptr<CollectiveOrderCheck> python_begin_collective_check(
+    const std::vector<CheckedCollective>& sequence) {
+  pybind11::gil_scoped_acquire gil;
+  if (collective_checker == nullptr) {
+    return nullptr; // switched off since the call started
+  }
+  THPObjectPtr collectives(
+      PyList_New(static_cast<Py_ssize_t>(sequence.size())));
+  if (!collectives) {
+    throw python_error();
+  }
+  for (size_t i = 0; i < sequence.size(); ++i) {
+    THPObjectPtr node(checked_node(*sequence[i].fn));
+    THPObjectPtr gradients(
+        node ? expected_gradients(*sequence[i].fn) : nullptr);
+    PyObject* entry = gradients ? Py_BuildValue(
+                                      "(OiO)",
+                                      node.get(),
+                                      sequence[i].identity,
+                                      gradients.get())
+                                : nullptr;
+    if (entry == nullptr) {
+      throw python_error();
+    }
+    PyList_SET_ITEM(collectives.get(), static_cast<Py_ssize_t>(i), entry);
+  }
+  PyObject* pending =
+      PyObject_CallMethod(collective_checker, "begin", "O", collectives.get());
+  if (pending == nullptr) {
+    throw python_error();
+  }
+  return std::make_shared<PythonOrderCheck>(
+      Py_NewRef(collective_checker),
+      pending);
+}
+
+// HostCallbacks::raise_if_interrupted. Python runs signal handlers on the
+// main thread only, so elsewhere this does nothing.
+void python_raise_if_interrupted() {
+  pybind11::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) {
+    throw python_error();
+  }
+}
+
+// HostCallbacks::name_collective_node_in_error: a note on a Python exception
+// (its type and message stay the node's own), context on a c10::Error.
+std::exception_ptr python_name_collective_node_in_error(
+    std::exception_ptr error,
+    const Node& fn,
+    bool in_lane) {
+  const std::string where = "raised by " + fn.name() +
+      (in_lane ? " in its torch_ext collective lane"
+               : ", a collective node, on torch_ext's engine thread");
+  try {
+    std::rethrow_exception(error);
+  } catch (python_error& e) {
+    pybind11::gil_scoped_acquire gil;
+    if (e.type != nullptr) {
+      // An error set from C (pybind11's translation of a c10::Error, as
+      // gloo's) is fetched unnormalized: its value may be the message, not
+      // the exception, which has no add_note.
+      PyErr_NormalizeException(&e.type, &e.value, &e.traceback);
+    }
+    if (e.value != nullptr) {
+      THPObjectPtr note(PyUnicode_FromString(where.c_str()));
+      THPObjectPtr added(
+          note ? PyObject_CallMethod(e.value, "add_note", "O", note.get())
+               : nullptr);
+      if (!added) {
+        PyErr_Clear(); // the node's own error matters more than the note
+      }
+    }
+  } catch (c10::Error& e) {
+    e.add_context(where);
+  } catch (...) {
+  }
+  return error;
+}
+
+// `example` is the node of a Python autograd.Function (a PyNode), whose type
+// collective_role must recognise.
+void remember_python_node_type(const Node& example) {
+  TORCH_CHECK(
+      std::string_view(typeid(example).name()) == "N5torch8autograd6PyNodeE",
+      "remember_python_node_type: expected the node of a Python autograd.Function, got ",
+      example.name());
+  python_node_type.store(&typeid(example), std::memory_order_relaxed);
+}
+
 PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
   HANDLE_TH_ERRORS
   if (PyType_Check(node_or_class)) {
@@ -373,7 +623,7 @@ PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
   CollectiveRole role = CollectiveRole::kNone;
   if (node) {
     pybind11::gil_scoped_release no_gil; // as discovery calls it
-    role = collective_role(*node);
+    role = python_collective_role(*node);
   }
   return PyLong_FromLong(static_cast<long>(role));
   END_HANDLE_TH_ERRORS
@@ -415,6 +665,39 @@ PyObject* py_collective_role_cache_size(
   return PyLong_FromSize_t(role_cache().size());
 }
 
+PyObject* py_set_auto_collective_priority(
+    PyObject* /*module*/,
+    PyObject* enabled) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(
+      PyBool_Check(enabled),
+      "set_auto_collective_priority expects a bool, got ",
+      Py_TYPE(enabled)->tp_name);
+  set_auto_collective_priority(enabled == Py_True);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_auto_collective_priority(
+    PyObject* /*module*/,
+    PyObject* /*unused*/) {
+  return PyBool_FromLong(auto_collective_priority());
+}
+
+PyObject* py_is_collective_node(PyObject* /*module*/, PyObject* node) {
+  HANDLE_TH_ERRORS
+  return PyBool_FromLong(
+      is_launch(python_collective_role(*checked_node_of(node))));
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* py_remember_python_node_type(PyObject* /*module*/, PyObject* node) {
+  HANDLE_TH_ERRORS
+  remember_python_node_type(*checked_node_of(node));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef collective_methods[] = {
     {"set_collective_role",
      py_set_collective_role,
@@ -449,246 +732,62 @@ PyMethodDef collective_methods[] = {
      py_collective_role_cache_size,
      METH_NOARGS,
      "_collective_role_cache_size() -> number of node classes whose role is cached."},
+    {"set_auto_collective_priority",
+     py_set_auto_collective_priority,
+     METH_O,
+     "set_auto_collective_priority(enabled): switch collectives' automatic "
+     "priority."},
+    {"auto_collective_priority",
+     py_auto_collective_priority,
+     METH_NOARGS,
+     "auto_collective_priority() -> bool."},
+    {"remember_python_node_type",
+     py_remember_python_node_type,
+     METH_O,
+     "remember_python_node_type(node): the grad_fn of a Python "
+     "autograd.Function, so the engine can recognise collectives' nodes."},
+    {"is_collective_node",
+     py_is_collective_node,
+     METH_O,
+     "is_collective_node(node) -> bool: whether the engine prioritises the "
+     "node as a collective."},
     {nullptr, nullptr, 0, nullptr}};
 
 } // namespace
 
-CollectiveRole collective_role(const torch::autograd::Node& fn) {
-  const std::type_info* python_node =
-      python_node_type.load(std::memory_order_relaxed);
-  // Address comparison: the one type_info object of PyNode lives in
-  // libtorch_python (this library cannot even name it), while
-  // type_info::operator== falls back to strcmp on the mangled names, which
-  // share their first 16 characters across torch's autograd nodes.
-  if (python_node == nullptr || &typeid(fn) != python_node) {
-    return CollectiveRole::kNone;
-  }
-  // Read without the GIL: a PyNode's Python object (its THPFunction) lives
-  // as long as the node, and so does its class.
-  PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
-  if (obj == nullptr) {
-    return CollectiveRole::kNone;
-  }
-  return role_of_class(Py_TYPE(obj));
-}
-
-bool defers_its_wait(const torch::autograd::Node& fn) {
-  // Only discovery calls this, for a node it found to be a launch (a PyNode),
-  // once per launch node: a handful per call.
-  const PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
-  constexpr std::string_view kOwnOps = "GeneratedBackwardFor_torch_ext_";
-  return obj != nullptr &&
-      std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) ==
-      kOwnOps;
-}
-
-uintptr_t lane_group_key(const torch::autograd::Node& fn) {
-  pybind11::gil_scoped_acquire gil;
-  TORCH_INTERNAL_ASSERT(
-      lane_group_resolver != nullptr,
-      "torch_ext.lanes is not imported");
-  PyObject* ctx = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
-  TORCH_INTERNAL_ASSERT(ctx != nullptr);
-  THPObjectPtr group(PyObject_CallOneArg(lane_group_resolver, ctx));
-  if (!group) {
-    throw python_error();
-  }
-  // The group outlives the call: the node's ctx holds it (ctx.group), or it
-  // is the default group. torch_ext.lanes holds it only weakly, so that
-  // destroy_process_group can free it (test_clean_exit.py says why).
-  return reinterpret_cast<uintptr_t>(group.get());
-}
-
-bool collective_check_enabled() {
-  return collective_check_on.load(std::memory_order_relaxed);
-}
-
-namespace {
-// The node as the checker names it: a Python Function's ctx (whose
-// ctx.group it reads), another node by its name(). With the GIL.
-PyObject* checked_node(const torch::autograd::Node& fn) {
-  PyObject* ctx =
-      &typeid(fn) == python_node_type.load(std::memory_order_relaxed)
-      ? static_cast<const torch::autograd::PyNode&>(fn).pyobj()
-      : nullptr;
-  return ctx != nullptr ? Py_NewRef(ctx)
-                        : PyUnicode_FromString(fn.name().c_str());
-}
-
-// The gradients `fn` will be given, as their metadata says (validate_outputs
-// makes every producer's match it): (shape, dtype) each, None for a nested
-// tensor's. With the GIL.
-PyObject* expected_gradients(const torch::autograd::Node& fn) {
-  THPObjectPtr gradients(PyList_New(static_cast<Py_ssize_t>(fn.num_inputs())));
-  if (!gradients) {
-    return nullptr;
-  }
-  for (uint32_t i = 0; i < fn.num_inputs(); ++i) {
-    const torch::autograd::InputMetadata& metadata = fn.input_metadata(i);
-    PyObject* gradient = nullptr;
-    if (metadata.was_default_constructed() || metadata.is_nested_tensor()) {
-      gradient = Py_NewRef(Py_None);
-    } else {
-      const c10::SymIntArrayRef sizes = metadata.shape_as_dim_vector();
-      THPObjectPtr shape(PyTuple_New(static_cast<Py_ssize_t>(sizes.size())));
-      if (!shape) {
-        return nullptr;
-      }
-      for (size_t d = 0; d < sizes.size(); ++d) {
-        const std::optional<int64_t> size = sizes[d].maybe_as_int();
-        PyObject* item = PyLong_FromLongLong(size.value_or(-1));
-        if (item == nullptr) {
-          return nullptr;
-        }
-        PyTuple_SET_ITEM(shape.get(), static_cast<Py_ssize_t>(d), item);
-      }
-      PyObject* dtype = reinterpret_cast<PyObject*>(
-          torch::getTHPDtype(metadata.dtype().toScalarType()));
-      gradient = PyTuple_Pack(2, shape.get(), dtype);
-    }
-    if (gradient == nullptr) {
-      return nullptr;
-    }
-    PyList_SET_ITEM(gradients.get(), static_cast<Py_ssize_t>(i), gradient);
-  }
-  return gradients.release();
-}
-} // namespace
-
-CollectiveOrderCheck::CollectiveOrderCheck(
-    const std::vector<CheckedCollective>& sequence) {
-  pybind11::gil_scoped_acquire gil;
-  if (collective_checker == nullptr) {
-    done_ = true; // switched off since the call started
-    return;
-  }
-  THPObjectPtr collectives(
-      PyList_New(static_cast<Py_ssize_t>(sequence.size())));
-  if (!collectives) {
-    throw python_error();
-  }
-  for (size_t i = 0; i < sequence.size(); ++i) {
-    THPObjectPtr node(checked_node(*sequence[i].fn));
-    THPObjectPtr gradients(
-        node ? expected_gradients(*sequence[i].fn) : nullptr);
-    PyObject* entry = gradients ? Py_BuildValue(
-                                      "(OiO)",
-                                      node.get(),
-                                      sequence[i].identity,
-                                      gradients.get())
-                                : nullptr;
-    if (entry == nullptr) {
-      throw python_error();
-    }
-    PyList_SET_ITEM(collectives.get(), static_cast<Py_ssize_t>(i), entry);
-  }
-  PyObject* pending =
-      PyObject_CallMethod(collective_checker, "begin", "O", collectives.get());
-  if (pending == nullptr) {
-    throw python_error();
-  }
-  checker_ = Py_NewRef(collective_checker);
-  pending_ = pending;
-}
-
-CollectiveOrderCheck::~CollectiveOrderCheck() {
-  if (pending_ == nullptr || !Py_IsInitialized()) {
-    return;
-  }
-  pybind11::gil_scoped_acquire gil;
-  Py_DECREF(pending_);
-  Py_DECREF(checker_);
-}
-
-void CollectiveOrderCheck::await() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!done_) {
-    done_ = true;
-    try {
-      pybind11::gil_scoped_acquire gil;
-      THPObjectPtr result(PyObject_CallMethod(checker_, "wait", "O", pending_));
-      if (!result) {
-        // Fetched now: the mismatch may be rethrown on another thread.
-        python_error mismatch;
-        mismatch.persist();
-        throw mismatch;
-      }
-    } catch (...) {
-      mismatch_ = std::current_exception();
-    }
-  }
-  if (mismatch_) {
-    std::rethrow_exception(mismatch_);
-  }
-}
-
-void CollectiveOrderCheck::complete_after_error() noexcept {
-  try {
-    await();
-  } catch (...) {
-  }
-}
-
-void raise_if_interrupted() {
-  pybind11::gil_scoped_acquire gil;
-  if (PyErr_CheckSignals() != 0) {
-    throw python_error();
-  }
-}
-
-std::exception_ptr name_collective_node_in_error(
-    std::exception_ptr error,
-    const torch::autograd::Node& fn,
-    bool in_lane) {
-  const std::string where = "raised by " + fn.name() +
-      (in_lane ? " in its torch_ext collective lane"
-               : ", a collective node, on torch_ext's engine thread");
-  try {
-    std::rethrow_exception(error);
-  } catch (python_error& e) {
-    pybind11::gil_scoped_acquire gil;
-    if (e.type != nullptr) {
-      // An error set from C (pybind11's translation of a c10::Error, as
-      // gloo's) is fetched unnormalized: its value may be the message, not
-      // the exception, which has no add_note.
-      PyErr_NormalizeException(&e.type, &e.value, &e.traceback);
-    }
-    if (e.value != nullptr) {
-      THPObjectPtr note(PyUnicode_FromString(where.c_str()));
-      THPObjectPtr added(
-          note ? PyObject_CallMethod(e.value, "add_note", "O", note.get())
-               : nullptr);
-      if (!added) {
-        PyErr_Clear(); // the node's own error matters more than the note
-      }
-    }
-  } catch (c10::Error& e) {
-    e.add_context(where);
-  } catch (...) {
-  }
-  return error;
-}
-
-void remember_python_node_type(const torch::autograd::Node& example) {
-  TORCH_CHECK(
-      std::string_view(typeid(example).name()) == "N5torch8autograd6PyNodeE",
-      "remember_python_node_type: expected the node of a Python autograd.Function, got ",
-      example.name());
-  python_node_type.store(&typeid(example), std::memory_order_relaxed);
-}
-
-void set_auto_collective_priority(bool enabled) {
-  auto_priority_enabled.store(enabled, std::memory_order_relaxed);
-}
-
-bool auto_collective_priority() {
-  return auto_priority_enabled.load(std::memory_order_relaxed);
+void fill_collective_callbacks(HostCallbacks& callbacks) {
+  callbacks.collective_role = python_collective_role;
+  callbacks.defers_its_wait = python_defers_its_wait;
+  callbacks.lane_group_key = python_lane_group_key;
+  callbacks.collective_check_enabled = python_collective_check_enabled;
+  callbacks.begin_collective_check = python_begin_collective_check;
+  callbacks.raise_if_interrupted = python_raise_if_interrupted;
+  callbacks.name_collective_node_in_error =
+      python_name_collective_node_in_error;
 }
 
 bool init_collective_bindings(PyObject* module) {
   forget_callback = PyCFunction_New(&forget_dead_class_def, nullptr);
-  return forget_callback != nullptr &&
-      PyModule_AddFunctions(module, collective_methods) == 0;
+  if (forget_callback == nullptr ||
+      PyModule_AddFunctions(module, collective_methods) != 0) {
+    return false;
+  }
+  // The engine's values, which torch_ext/collectives.py reads rather than
+  // restating them: each role's number, and the automatic priority.
+  THPObjectPtr roles(Py_BuildValue(
+      "{s:i,s:i,s:i,s:i}",
+      "none",
+      static_cast<int>(CollectiveRole::kNone),
+      "launch",
+      static_cast<int>(CollectiveRole::kLaunch),
+      "wait",
+      static_cast<int>(CollectiveRole::kWait),
+      "lane",
+      static_cast<int>(CollectiveRole::kLane)));
+  THPObjectPtr priority(PyLong_FromLongLong(kCollectivePriority));
+  return roles && priority &&
+      PyModule_AddObjectRef(module, "collective_roles", roles.get()) == 0 &&
+      PyModule_AddObjectRef(module, "collective_priority", priority.get()) == 0;
 }
 
 } // namespace torch_ext

@@ -9,11 +9,10 @@
 // the same thread, while that task is current. See docs/design.md, "The
 // host-task pattern".
 
-#include "engine/host_task.h"
-#include "engine/engine_api.h"
+#include "engine/host/host_task.h"
+#include "engine/host_callbacks.h"
 
 #include <ATen/EmptyTensor.h>
-#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -26,8 +25,6 @@ namespace {
 
 using torch::autograd::AnomalyMode;
 using torch::autograd::GraphTask;
-
-AnomalyMetadataCopier anomaly_metadata_copier = nullptr;
 
 // The gradient fed to the driver. The host task checks it against the
 // driver's input metadata and hands it over; nothing reads its value. Shared
@@ -42,7 +39,7 @@ const at::Tensor& driver_dummy_grad() {
 
 class BackwardDriver final : public torch::autograd::Node {
  public:
-  explicit BackwardDriver(BackwardCall& call)
+  explicit BackwardDriver(HostedRun& call)
       // An explicit sequence_nr: the driver must not consume one of the
       // numbers forward ops are given.
       : Node(/*sequence_nr=*/std::numeric_limits<uint64_t>::max()),
@@ -60,16 +57,14 @@ class BackwardDriver final : public torch::autograd::Node {
 
   variable_list apply(variable_list&& /*dummy_grad*/) override {
     TORCH_INTERNAL_ASSERT(call_ != nullptr, "BackwardDriver ran twice");
-    BackwardCall* call = std::exchange(call_, nullptr);
+    HostedRun* call = std::exchange(call_, nullptr);
     try {
       call->run(this);
     } catch (...) {
       Node* failed = call->failed_node();
       if (AnomalyMode::is_enabled() && failed != nullptr) {
         failed_node_name_ = failed->name();
-        if (anomaly_metadata_copier != nullptr) {
-          anomaly_metadata_copier(*failed, *this);
-        }
+        host_callbacks().copy_anomaly_metadata(*failed, *this);
       }
       throw;
     }
@@ -77,15 +72,11 @@ class BackwardDriver final : public torch::autograd::Node {
   }
 
  private:
-  BackwardCall* call_;
+  HostedRun* call_;
   std::string failed_node_name_;
 };
 
 } // namespace
-
-void set_anomaly_metadata_copier(AnomalyMetadataCopier copier) {
-  anomaly_metadata_copier = copier;
-}
 
 void publish_plan_to_host_task(const GraphPlan& plan) {
   // GraphTask's fields are not API: exec_info_ and nodes_in_graph_ are
@@ -144,45 +135,7 @@ void publish_plan_to_host_task(const GraphPlan& plan) {
   }
 }
 
-variable_list run_backward(
-    const edge_list& roots,
-    variable_list root_grads,
-    const edge_list& inputs,
-    CallOptions options,
-    std::vector<PriorityOverride> priority_overrides) {
-  torch::autograd::validate_outputs(
-      roots,
-      root_grads,
-      [](const std::string& msg) { return msg; });
-  TORCH_CHECK(
-      options.accumulate_grad || !inputs.empty(),
-      "grad requires non-empty inputs.");
-  if (options.accumulate_grad && options.create_graph) {
-    TORCH_WARN_ONCE(
-        "Using backward() with create_graph=True will create a reference cycle "
-        "between the parameter and its gradient which can cause a memory leak. "
-        "We recommend using autograd.grad when creating the graph to avoid this. "
-        "If you have to use this function, make sure to reset the .grad fields of "
-        "your parameters to None after use to break the cycle and avoid the leak.");
-  }
-  if (roots.size() != 1) {
-    // Stock builds a GraphRoot node unless there is exactly one root, and it
-    // takes a sequence number; forward ops recorded afterwards are numbered
-    // as on stock.
-    at::sequence_number::get_and_increment();
-  }
-
-  BackwardCall call(
-      roots,
-      std::move(root_grads),
-      inputs,
-      options,
-      std::move(priority_overrides));
-  run_in_host_task(call, options.keep_graph, /*filtered=*/!inputs.empty());
-  return call.take_captured();
-}
-
-void run_in_host_task(BackwardCall& call, bool keep_graph, bool filtered) {
+void run_in_host_task(HostedRun& call, bool keep_graph, bool filtered) {
   auto driver = c10::make_intrusive<BackwardDriver>(call);
   // Plain backward(): no host outputs, so the host's exec_info stays empty;
   // a non-empty exec_info makes can_checkpoint() false and reentrant

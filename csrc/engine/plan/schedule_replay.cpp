@@ -1,6 +1,6 @@
-#include "engine/schedule_replay.h"
+#include "engine/plan/schedule_replay.h"
 
-#include "engine/scheduler.h"
+#include "engine/plan/scheduler.h"
 
 #include <torch/csrc/autograd/anomaly_mode.h>
 

@@ -3,11 +3,18 @@
 // One torch_ext backward()/grad() call: the plan, the ready queue and the
 // results. It lives for the duration of the call only, so nested calls (a
 // backward inside a node, reentrant checkpoint) and calls from other threads
-// never share state.
+// never share state. Included only by the run layer's own files: what starts
+// a call uses run_call.h, the bindings running_node.h. Its parts live beside
+// it: bit-stable delivery (ordered_delivery.h), the collective sequence and
+// lanes (collective_sequence.h, made only for a call that uses them), what
+// split backward's passes give it (deferred_accumulation.h, KeptNode).
 
-#include "collectives/collective_nodes.h"
-#include "engine/graph_plan.h"
-#include "engine/scheduler.h"
+#include "engine/call_options.h"
+#include "engine/host/host_task.h"
+#include "engine/host_callbacks.h"
+#include "engine/plan/graph_plan.h"
+#include "engine/plan/scheduler.h"
+#include "engine/run/ordered_delivery.h"
 #include "engine/trace.h"
 
 #include <c10/core/AutogradState.h>
@@ -23,18 +30,11 @@
 
 namespace torch_ext {
 
-struct CallOptions {
-  bool keep_graph = false;
-  bool create_graph = false;
-  // backward() (true) writes .grad through AccumulateGrad; grad() (false)
-  // captures the gradients of `inputs` and returns them.
-  bool accumulate_grad = true;
-};
+class DeferredAccumulation;
+struct CollectiveSequence;
+struct RunningNode;
 
-class AccumulationBatch;
-class CollectiveLanes;
-
-class BackwardCall {
+class BackwardCall final : public HostedRun {
  public:
   BackwardCall(
       edge_list roots,
@@ -61,7 +61,7 @@ class BackwardCall {
   }
   // The weight pass's batch of unobserved accumulations, for a plan with
   // batches_accumulation; flushed as the host task's first final callback.
-  void set_accumulation_batch(AccumulationBatch* batch) {
+  void set_accumulation_batch(DeferredAccumulation* batch) {
     batch_ = batch;
   }
   // The streams the root gradients were produced on, when not the caller's
@@ -77,7 +77,7 @@ class BackwardCall {
   // Discovers the graph and runs every node that must run, on the calling
   // thread. Must be called inside a stock graph task (the host task), from
   // its node `host_node`.
-  void run(Node* host_node);
+  void run(Node* host_node) override;
 
   // grad(): the captured gradient of each input, undefined where none arrived.
   variable_list take_captured() {
@@ -86,29 +86,22 @@ class BackwardCall {
 
   // The node whose error is propagating out of run(), if any; the host task
   // reports it in anomaly mode in place of the driver.
-  Node* failed_node() const {
+  Node* failed_node() const override {
     return failed_node_;
   }
-
-  // Called by a collective's backward formula while this call runs it as a
-  // node: `result` is the collective's output, still in flight. The engine
-  // waits on it just before the first thing that reads it (the node it is
-  // delivered to, an accumulation into the same input, or the end of the
-  // call), so every node scheduled in between overlaps the communication.
-  // Returns false, and records nothing, when this thread is not running a
-  // torch_ext node right now (stock engine, a compiled graph, a nested
-  // backward); the caller must then wait itself.
-  static bool defer_wait_to_first_use(const at::Tensor& result);
-
-  // The call whose node this thread is running under its host task right
-  // now, or null (outside torch_ext, or in a backward nested in a node).
-  static const BackwardCall* running_call();
 
   // The nodes of this call in the order it runs them, replayed from its plan
   // (schedule_replay.h).
   std::vector<Node*> planned_order() const;
 
+  // Whether this call's host graph task is the current one on this thread
+  // (not a backward nested inside one of its nodes); running_node.h's
+  // running_node_under_host_task asks it.
+  bool host_task_is_current() const;
+
  private:
+  friend bool defer_wait_to_first_use(const at::Tensor& result);
+
   // Makes the first nodes ready, as the plan says (GraphPlan::seeds_roots,
   // resumes_kept_nodes).
   void seed();
@@ -127,9 +120,10 @@ class BackwardCall {
       int32_t slot,
       const variable_list& seen,
       const std::optional<c10::Stream>& node_stream);
-  // The run loop of a plan with lane nodes (run_loop.cpp): as run()'s, but a
-  // node of the collective sequence starts only in its turn, lane nodes go
-  // to their lanes, and what the lanes finish is delivered as it finishes.
+  // The run loop of a plan with lane nodes (collective_sequence.cpp): as
+  // run()'s, but a node of the collective sequence starts only in its turn,
+  // lane nodes go to their lanes, and what the lanes finish is delivered as it
+  // finishes.
   template <bool kTraced>
   void run_with_lanes();
   // Whether this call runs its collectives in sequence (run_with_lanes): to
@@ -138,7 +132,8 @@ class BackwardCall {
   // not replay.
   bool uses_lanes() const {
     return (plan_.has_lanes ||
-            (plan_.has_collectives && collective_check_enabled())) &&
+            (plan_.has_collectives &&
+             host_callbacks().collective_check_enabled())) &&
         plan_.seeds_roots && !plan_.resumes_kept_nodes && kept_ == nullptr &&
         batch_ == nullptr;
   }
@@ -148,10 +143,17 @@ class BackwardCall {
   // before it has; one the engine runs itself also waits for the lanes to
   // be idle, so no collective it knows of is issued beside a lane's.
   void build_collective_sequence();
+  // The nodes that issue a collective (a launch, in a lane or not), in the
+  // order the plan runs them: the same on every rank with the same graph and
+  // priorities.
+  std::vector<int32_t> planned_collectives() const;
+  // Begins the collective order check of `in_order` (planned_collectives)
+  // when it is on (order_check_).
+  void begin_order_check(const std::vector<int32_t>& in_order);
   bool may_start(int32_t slot) const;
   // Makes the parked nodes whose turn has come ready again.
   void unpark();
-  // A lane node on CPU (node_executor.cpp): its hooks before apply() run
+  // A lane node on CPU (collective_sequence.cpp): its hooks before apply() run
   // here, apply() on its group's lane; finish_lane_node does the rest when
   // the lane returns (validate_outputs, post hooks, release, delivery).
   bool runs_in_lane(int32_t slot) const;
@@ -236,6 +238,17 @@ class BackwardCall {
   }
   // Adds this call's held gradients to held_gradient_stats.
   void record_held_gradients() const;
+  // The thread-local state every node starts from. Stock restores the graph
+  // task's whole thread-local state before every node, so state a hook or
+  // node leaves behind does not leak into the next node. Restoring all of it
+  // (at::ThreadLocalState) measured 1.5 us per node here, more than the rest
+  // of torch_ext's per-node work; the two parts a hook realistically leaves
+  // changed are restored: autograd state (grad and inference mode) and the
+  // dispatch-key state that autocast toggles.
+  void enter_task_state() const {
+    c10::AutogradState::set_tls_state(task_autograd_state_);
+    c10::impl::_force_tls_local_dispatch_key_set(task_dispatch_keys_);
+  }
   // Marks `target` as receiving a pending result if `grad` is one.
   void note_pending_delivery(int32_t target, const at::Tensor& grad);
   // Waits on the pending results delivered to `slot` (or, with kNoSlot, on
@@ -289,22 +302,8 @@ class BackwardCall {
     int32_t launch_event = trace::kNoEvent;
   };
   std::vector<PendingWait> pending_waits_;
-  // Bit-stable accumulation: per ordered input of the plan, the next place
-  // in stock's order to add, and the gradients that arrived ahead of it.
-  struct HeldGradient {
-    uint32_t rank;
-    at::Tensor grad;
-    std::optional<c10::Stream> producer_stream;
-  };
-  struct OrderedInput {
-    uint32_t next_rank = 0;
-    std::vector<HeldGradient> held;
-  };
-  std::vector<OrderedInput> ordered_inputs_;
-  // Bytes of gradients held now and at most during this call.
-  int64_t held_bytes_ = 0;
-  int64_t peak_held_bytes_ = 0;
-  int64_t held_count_ = 0;
+  // Bit-stable accumulation (ordered_delivery.h).
+  OrderedDelivery ordered_delivery_;
   Node* failed_node_ = nullptr;
   // Where each node is made the current node while it runs, as stock's
   // NodeGuard does; null if unavailable.
@@ -316,7 +315,7 @@ class BackwardCall {
   bool has_plan_ = false;
   // Set for the passes of split backward only.
   std::vector<KeptNode>* kept_ = nullptr;
-  AccumulationBatch* batch_ = nullptr;
+  DeferredAccumulation* batch_ = nullptr;
   // What the call's span is called in a trace.
   const char* trace_label_ = nullptr;
   // Non-null only while tracing was on when the call started: the executor's
@@ -325,29 +324,13 @@ class BackwardCall {
   // While tracing: the event of the node running now (its launches).
   int32_t running_node_event_ = trace::kNoEvent;
 
-  // Collective lanes, while a call with lane nodes runs (run_with_lanes).
-  std::unique_ptr<CollectiveLanes> lanes_;
-  // A node whose apply() is on a lane: what its post hooks will need.
-  struct LaneNode {
-    variable_list inputs;
-    bool had_post_hooks = false;
-    int32_t trace_event = trace::kNoEvent;
-  };
-  std::unordered_map<int32_t, LaneNode> in_lane_;
-  // Accelerator lane nodes' side stream, one per device (every lane node of
-  // a device runs on it, so they stay in the collective sequence's order).
-  std::unordered_map<c10::Device, c10::Stream> side_streams_;
-  // Per slot, its place in the collective sequence, or kNoSlot.
-  std::vector<int32_t> sequence_place_;
-  // Per slot of the sequence, which of the sequence's collectives forward
-  // made it: its index among them by sequence_nr (creation order). The order
-  // check's identity of a collective: ranks running the same program agree
-  // on it whatever order they start the collectives in, and autograd work
-  // outside the collectives (one rank's logging) does not shift it.
-  std::vector<int32_t> creation_place_;
+  // While a call runs its collectives in sequence (run_with_lanes): the
+  // lanes and each collective's turn (collective_sequence.h).
+  std::unique_ptr<CollectiveSequence> sequence_;
   // The collective order check of this call, when it is on: begun with the
-  // sequence, awaited before the first collective starts (shared with the
-  // lanes, which may start it) and before the call returns.
+  // collective sequence, awaited before the first collective or hook runs
+  // (shared with the lanes, which may start the first collective) and before
+  // the call returns.
   std::shared_ptr<CollectiveOrderCheck> order_check_;
   // Whether this thread has seen the ranks agree (the engine thread asks no
   // more after that).
@@ -355,19 +338,6 @@ class BackwardCall {
   // Awaits the order check's verdict if `slot` starts a collective on this
   // thread or has a hook; the run loops call it until it has passed.
   void await_order_check_before(int32_t slot);
-  int32_t next_in_sequence_ = 0;
-  // Nodes of the sequence that became ready before their turn.
-  std::vector<int32_t> parked_;
 };
-
-// What bit-stable accumulation held, summed over every call since the last
-// reset: gradients held back, and the largest number of bytes one call held
-// at once.
-struct HeldGradientStats {
-  int64_t held_gradients = 0;
-  int64_t peak_held_bytes = 0;
-  int64_t ordered_calls = 0;
-};
-HeldGradientStats held_gradient_stats(bool reset);
 
 } // namespace torch_ext

@@ -11,18 +11,16 @@
 // checks that both functions have the shapes it expects before calling
 // anything, and uses the slot only after checking that it reports the node
 // the host task set. Anything unexpected, another architecture, or
-// TORCH_EXT_CURRENT_NODE=off turns the feature off: the driver stays the
-// current node (the portable path). Nothing else in the engine needs the
-// slot: priorities, deferred collective waits and split backward work the
-// same on either path.
+// TORCH_EXT_CURRENT_NODE=off (set_current_node_forced_off) turns the feature
+// off: the driver stays the current node (the portable path). Nothing else in
+// the engine needs the slot: priorities, deferred collective waits and split
+// backward work the same on either path.
 
-#include "engine/current_node.h"
-#include "engine/backward_call.h"
+#include "engine/run/current_node.h"
 
 #include <torch/csrc/autograd/function.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <string_view>
 
@@ -39,16 +37,9 @@ using SlotAccessor = CurrentNodeSlot* (*)();
 std::atomic<CurrentNodeState> state{CurrentNodeState::kUnknown};
 std::atomic<SlotAccessor> accessor{nullptr};
 
-bool forced_off() {
-  // Validated with a clear error at import (torch_ext/_loader.py); here any
-  // value but these means "use it when it validates".
-  const char* value = std::getenv("TORCH_EXT_CURRENT_NODE");
-  if (value == nullptr) {
-    return false;
-  }
-  const std::string_view mode(value);
-  return mode == "off";
-}
+// TORCH_EXT_CURRENT_NODE=off, parsed once, by torch_ext/_loader.py, which
+// sets this before any backward (set_current_node_forced_off).
+std::atomic<bool> forced_off{false};
 
 #if defined(__x86_64__)
 
@@ -129,7 +120,8 @@ CurrentNodeSlot* current_node_slot(Node* expected_current) {
   if (known == CurrentNodeState::kUnknown) {
     // Validated on the first call, inside the host task: the slot must hold
     // the driver, which stock's NodeGuard made current.
-    SlotAccessor found = forced_off() ? nullptr : find_accessor();
+    SlotAccessor found =
+        forced_off.load(std::memory_order_relaxed) ? nullptr : find_accessor();
     const bool valid = found != nullptr && found()->get() == expected_current &&
         torch::autograd::get_current_node().get() == expected_current;
     accessor.store(valid ? found : nullptr, std::memory_order_release);
@@ -141,6 +133,10 @@ CurrentNodeSlot* current_node_slot(Node* expected_current) {
     return nullptr;
   }
   return accessor.load(std::memory_order_acquire)();
+}
+
+void set_current_node_forced_off(bool off) {
+  forced_off.store(off, std::memory_order_relaxed);
 }
 
 CurrentNodeState current_node_state() {

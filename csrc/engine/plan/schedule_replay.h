@@ -14,7 +14,7 @@
 // order are in, holding it until then (BackwardCall::deliver). A call that
 // cannot deviate from stock's order computes nothing and holds nothing.
 
-#include "engine/graph_plan.h"
+#include "engine/plan/graph_plan.h"
 
 namespace torch_ext {
 

@@ -5,10 +5,11 @@
 // nodes must run for grad() / backward(inputs=)), over slot indices instead of
 // Node* hash maps.
 
-#include "collectives/collective_nodes.h"
-#include "engine/graph_plan.h"
+#include "engine/host_callbacks.h"
+#include "engine/plan/graph_plan.h"
 
 #include <algorithm>
+#include <array>
 #include <limits>
 
 namespace torch_ext {
@@ -72,19 +73,11 @@ class PlanBuilder {
       // Recognised whether or not they get the automatic priority: a call
       // with collectives may defer their waits or run their wait nodes late,
       // and so must know stock's delivery order (schedule_replay.h).
-      const CollectiveRole role = collective_role(*fn);
-      if (is_launch(role)) {
-        plan_.slots[slot].collective = true;
-        plan_.slots[slot].defers_wait = defers_its_wait(*fn);
-        plan_.has_collectives = true;
-        if (role == CollectiveRole::kLane) {
-          plan_.slots[slot].runs_in_lane = true;
-          plan_.has_lanes = true;
-        }
-      } else if (role == CollectiveRole::kWait) {
-        plan_.slots[slot].collective_wait = true;
-        plan_.has_collectives = true;
-      }
+      const CollectiveFlags flags = collective_flags_of(*fn);
+      plan_.slots[slot].set_collective_flags(flags);
+      plan_.has_collectives =
+          plan_.has_collectives || flags.collective || flags.collective_wait;
+      plan_.has_lanes = plan_.has_lanes || flags.runs_in_lane;
       plan_.edge_targets.resize(plan_.edge_targets.size() + next_edges.size());
       for (size_t i = 0; i < next_edges.size(); ++i) {
         Node* next = next_edges[i].function.get();
@@ -105,70 +98,22 @@ class PlanBuilder {
   std::vector<int32_t> expand_stack_;
 };
 
-// Stock GraphTask::init_to_execute over slots: a node is needed when a path
-// leads from it to an input. `root` is the single root's slot, or kNoSlot for
-// the virtual root that holds several root edges.
-void mark_needed(GraphPlan& plan, int32_t single_root, uint64_t min_topo_nr) {
-  struct Frame {
-    int32_t slot; // kNoSlot: the virtual root
-    size_t next_edge = 0;
-  };
-  auto edge_count = [&](int32_t slot) -> size_t {
-    if (slot == kNoSlot) {
-      return plan.root_targets.size();
-    }
-    const NodeSlot& node = plan.slots[slot];
-    return node.expanded ? node.fn->next_edges().size() : 0;
-  };
-  auto edge_target = [&](int32_t slot, size_t i) -> int32_t {
-    return slot == kNoSlot ? plan.root_targets[i] : plan.target_of(slot, i);
-  };
-  bool virtual_root_needed = false;
+// Stock GraphTask::init_to_execute over slots: a node is needed when one of
+// its edges leads to a node that runs or captures. `single_root` is the
+// single root's slot, or kNoSlot when the root edges are the walk's starts.
+// Nodes older than every input are not expanded, so they lead nowhere.
+void mark_needed(GraphPlan& plan, int32_t single_root) {
   auto mark = [&](int32_t slot) {
-    if (slot == kNoSlot) {
-      virtual_root_needed = true;
-    } else {
-      plan.slots[slot].needed = true;
+    NodeSlot& node = plan.slots[slot];
+    for (size_t i = 0; i < plan.num_edges(slot) && !node.needed; ++i) {
+      const int32_t child = plan.target_of(slot, i);
+      node.needed = child != kNoSlot && plan.slots[child].should_execute();
     }
   };
-
-  std::vector<char> seen(plan.slots.size(), 0);
-  std::vector<Frame> stack;
-  stack.push_back({single_root});
-  while (!stack.empty()) {
-    Frame& frame = stack.back();
-    const int32_t slot = frame.slot;
-    int32_t child = kNoSlot;
-    const size_t num_edges = edge_count(slot);
-    while (frame.next_edge < num_edges) {
-      const int32_t candidate = edge_target(slot, frame.next_edge++);
-      if (candidate == kNoSlot) {
-        continue;
-      }
-      if (!seen[candidate]) {
-        seen[candidate] = 1;
-        child = candidate;
-        break;
-      }
-      // Already seen: its answer is final, or it is on the stack (a
-      // reconvergent path) and will tell its parent itself.
-      if (plan.slots[candidate].should_execute()) {
-        mark(slot);
-      }
-    }
-    if (child != kNoSlot) {
-      if (plan.slots[child].fn->topological_nr() < min_topo_nr) {
-        continue;
-      }
-      stack.push_back({child});
-    } else {
-      const bool executes = slot == kNoSlot ? virtual_root_needed
-                                            : plan.slots[slot].should_execute();
-      stack.pop_back();
-      if (executes && !stack.empty()) {
-        mark(stack.back().slot);
-      }
-    }
+  if (single_root != kNoSlot) {
+    for_each_in_post_order(plan, std::array<int32_t, 1>{single_root}, mark);
+  } else {
+    for_each_in_post_order(plan, plan.root_targets, mark);
   }
 }
 
@@ -230,45 +175,20 @@ void assign_priorities(
     }
     return below_source[slot];
   };
-  auto num_edges = [&](int32_t slot) -> size_t {
-    const NodeSlot& node = plan.slots[slot];
-    return node.expanded ? node.fn->next_edges().size() : 0;
-  };
-
-  std::vector<char> visited(num_slots, 0);
-  std::vector<std::pair<int32_t, size_t>> stack; // (slot, next edge)
-  for (const int32_t root : plan.root_targets) {
-    if (visited[root]) {
-      continue;
-    }
-    visited[root] = 1;
-    stack.emplace_back(root, 0);
-    while (!stack.empty()) {
-      const int32_t slot = stack.back().first;
-      const size_t edge = stack.back().second;
-      if (edge < num_edges(slot)) {
-        ++stack.back().second;
-        const int32_t child = plan.target_of(slot, edge);
-        if (child != kNoSlot && !visited[child]) {
-          visited[child] = 1;
-          stack.emplace_back(child, 0);
-        }
+  // Children before parents: below[child] is final when its parents read it.
+  for_each_in_post_order(plan, plan.root_targets, [&](int32_t slot) {
+    for (size_t i = 0; i < plan.num_edges(slot); ++i) {
+      const int32_t child = plan.target_of(slot, i);
+      if (child == kNoSlot) {
         continue;
       }
-      for (size_t i = 0; i < num_edges(slot); ++i) {
-        const int32_t child = plan.target_of(slot, i);
-        if (child == kNoSlot) {
-          continue;
-        }
-        const int64_t from_child = propagated_from(child);
-        if (record_sources && from_child > below[slot]) {
-          below_source[slot] = propagated_source(child);
-        }
-        below[slot] = std::max(below[slot], from_child);
+      const int64_t from_child = propagated_from(child);
+      if (record_sources && from_child > below[slot]) {
+        below_source[slot] = propagated_source(child);
       }
-      stack.pop_back();
+      below[slot] = std::max(below[slot], from_child);
     }
-  }
+  });
 
   plan.priority.resize(num_slots);
   for (size_t i = 0; i < num_slots; ++i) {
@@ -289,6 +209,16 @@ void assign_priorities(
 }
 
 } // namespace
+
+CollectiveFlags collective_flags_of(const Node& fn) {
+  const CollectiveRole role = host_callbacks().collective_role(fn);
+  CollectiveFlags flags;
+  flags.collective = is_launch(role);
+  flags.defers_wait = flags.collective && host_callbacks().defers_its_wait(fn);
+  flags.runs_in_lane = role == CollectiveRole::kLane;
+  flags.collective_wait = role == CollectiveRole::kWait;
+  return flags;
+}
 
 void discover_graph(
     GraphPlan& plan,
@@ -362,7 +292,7 @@ void discover_graph(
   }
   plan.captures = std::move(captures);
 
-  mark_needed(plan, single_root ? plan.root_targets[0] : kNoSlot, min_topo_nr);
+  mark_needed(plan, single_root ? plan.root_targets[0] : kNoSlot);
   for (auto& slot : plan.slots) {
     slot.action = slot.needed ? NodeAction::kRun : NodeAction::kCaptureOnly;
   }

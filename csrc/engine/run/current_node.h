@@ -19,4 +19,9 @@ c10::intrusive_ptr<Node>* current_node_slot(Node* expected_current);
 enum class CurrentNodeState { kUnknown, kAvailable, kUnavailable };
 CurrentNodeState current_node_state();
 
+// TORCH_EXT_CURRENT_NODE=off: never look for the slot (the portable path).
+// Set by torch_ext/_loader.py, which parses the variable, before the first
+// backward; after it, the first backward's finding stands.
+void set_current_node_forced_off(bool off);
+
 } // namespace torch_ext

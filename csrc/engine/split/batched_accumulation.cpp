@@ -1,4 +1,5 @@
-#include "engine/batched_accumulation.h"
+#include "engine/split/batched_accumulation.h"
+#include "engine/run/node_steps.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -57,9 +58,7 @@ bool AccumulationBatch::available() {
 }
 
 bool AccumulationBatch::has_hooks(torch::autograd::Node& fn) {
-  return !fn.tensor_pre_hooks().empty() || !fn.pre_hooks().empty() ||
-      !fn.post_hooks().empty() || !fn.retains_grad_hooks().empty() ||
-      fn.tensor_post_acc_grad_hooks() != nullptr;
+  return has_any_hooks(fn);
 }
 
 bool AccumulationBatch::try_take(

@@ -1,0 +1,117 @@
+#pragma once
+
+// What the engine asks of the language that hosts it: the one interface
+// through which engine/ reaches Python. The engine declares it here and
+// includes no Python header; the bindings install Python's answers when
+// torch_ext._C is imported (PyInit__C, bindings/python_bindings.cpp), before
+// any backward runs. Until then, each question has the answer of a process
+// without Python: no node is a collective, nothing is narrowed, no check.
+//
+// Every entry is a plain function pointer, called where the engine needs
+// the answer; those that need the GIL take it themselves.
+
+#include "collectives/collective_role.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <vector>
+
+namespace torch_ext {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// A collective of a call's sequence as the collective order check names it:
+// the node, and which of the call's collective nodes forward made it (its
+// index among them in creation order: ranks running the same program agree
+// on it whatever order they start them in).
+struct CheckedCollective {
+  const Node* fn;
+  int32_t identity;
+};
+
+// One call's collective order check (torch_ext.check_collective_order),
+// begun by the host when the call's plan is made: the ranks compare the whole
+// sequence in one exchange, off the engine thread. Whichever thread starts
+// the call's first collective, or runs its first hook, awaits the verdict.
+class CollectiveOrderCheck {
+ public:
+  virtual ~CollectiveOrderCheck() = default;
+  // Blocks until the exchange is done and raises its mismatch, the same on
+  // every rank. Safe from any thread, called without the GIL; only the first
+  // call waits, later ones rethrow its result.
+  virtual void await() = 0;
+  // After the call failed: completes the exchange all the same (every rank
+  // takes part in naming a mismatch), raising nothing.
+  void complete_after_error() noexcept {
+    try {
+      await();
+    } catch (...) {
+    }
+  }
+};
+
+struct HostCallbacks {
+  // The collective role of `fn`'s class (collective_role.h), decided once per
+  // class and cached: discovery asks for every node, without the GIL.
+  CollectiveRole (*collective_role)(const Node& fn) = [](const Node&) {
+    return CollectiveRole::kNone;
+  };
+  // Whether the launch node `fn` hands its result to the engine in flight
+  // (BackwardCall::defer_wait_to_first_use): torch_ext's own collective ops.
+  bool (*defers_its_wait)(const Node& fn) = [](const Node&) { return false; };
+  // The process group whose lane runs the lane node `fn`, as an opaque key.
+  // Throws for a group the host can see is unsafe (DDP reducing on it).
+  uintptr_t (*lane_group_key)(const Node& fn) = [](const Node&) -> uintptr_t {
+    return 0;
+  };
+  // The collective order check (torch_ext.check_collective_order): whether
+  // it is on, and one call's check begun with its collective sequence, in
+  // the order the call starts them (null if it was switched off since).
+  bool (*collective_check_enabled)() = [] { return false; };
+  std::shared_ptr<CollectiveOrderCheck> (*begin_collective_check)(
+      const std::vector<CheckedCollective>& sequence) =
+      [](const std::vector<CheckedCollective>&)
+      -> std::shared_ptr<CollectiveOrderCheck> { return nullptr; };
+  // Throws if a signal handler raised (Ctrl-C), for the engine thread while
+  // it waits for a lane.
+  void (*raise_if_interrupted)() = [] {};
+  // Makes an error raised by the collective node `fn` name it and where it
+  // ran (its lane, or the engine thread): a collective's error is often the
+  // network's, which names no node of its own.
+  std::exception_ptr (*name_collective_node_in_error)(
+      std::exception_ptr error,
+      const Node& fn,
+      bool in_lane) = [](std::exception_ptr error, const Node&, bool) {
+    return error;
+  };
+  // Split backward's passes narrow a custom Function's ctx.needs_input_grad
+  // to the gradients the pass computes while its node runs
+  // (GraphPlan::narrows_needs_input_grad, pytorch#174017). `narrow` returns
+  // a token for `restore`, or null if nothing changed.
+  void* (*narrow_needs_input_grad)(Node& fn) = [](Node&) -> void* {
+    return nullptr;
+  };
+  void (*restore_needs_input_grad)(Node& fn, void* token) = [](Node&, void*) {};
+  // Anomaly mode: the failing node's forward stack, which lives in the host,
+  // copied to the node the host task reports instead (its driver).
+  void (*copy_anomaly_metadata)(Node& from, Node& to) = [](Node&, Node&) {};
+};
+
+namespace detail {
+inline HostCallbacks installed_host_callbacks;
+} // namespace detail
+
+// Installs the host's answers; once, at import, before any backward.
+inline void install_host_callbacks(const HostCallbacks& callbacks) {
+  detail::installed_host_callbacks = callbacks;
+}
+
+inline const HostCallbacks& host_callbacks() {
+  return detail::installed_host_callbacks;
+}
+
+} // namespace torch_ext
