@@ -84,7 +84,8 @@ def backward_weight(state: SplitState, *, retain_graph: bool = False) -> tuple[t
     weight subgraph's saved tensors are kept.
     """
     mode = _C.weight_accumulation_batching()
-    if mode == "always" or (mode == "accelerator" and torch.cuda.is_available()):
+    # torch.accelerator is the engine's own test (at::accelerator): CUDA, XPU, MPS and the rest alike.
+    if mode == "always" or (mode == "accelerator" and torch.accelerator.is_available()):
         # Registers torch_ext::multi_tensor_accumulate_, which the batch calls (imported once, ~2 s).
         import torch_ext.kernels  # noqa: F401
     return _C.backward_weight(state, retain_graph)
