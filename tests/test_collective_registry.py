@@ -1,4 +1,4 @@
-"""Which nodes are collectives (torch_ext.collectives): built-in rules, registration, its errors, the cache.
+"""Which nodes are collectives (torch_ext.collectives.roles): built-in rules, registration, its errors, the cache.
 
 Single process: the "collectives" here are Functions that move no bytes, so these tests are about the
 registry and the order the engine gives the nodes; tests/distributed/test_torchrec.py has real ones.
@@ -15,10 +15,10 @@ from engine_helpers import graph_nodes, recsys_like
 from torch.autograd.function import BackwardCFunction
 
 import torch_ext
-from torch_ext import collectives
+from torch_ext import _C
 from torch_ext.testing import assert_identical
 
-COLLECTIVE_PRIORITY = collectives._C.collective_priority
+COLLECTIVE_PRIORITY = _C.collective_priority
 
 
 def _identity_function(name: str) -> type:
@@ -198,10 +198,10 @@ def test_dead_class_leaves_the_cache():
     torch_ext.register_collective_backward(launches=Wait)
     assert torch_ext.collective_role(Req) is None  # decided and cached too
     gc.collect()
-    size = collectives._C._collective_role_cache_size()
+    size = _C._collective_role_cache_size()
     del Req, Wait
     gc.collect()
-    assert collectives._C._collective_role_cache_size() == size - 2
+    assert _C._collective_role_cache_size() == size - 2
 
 
 def test_many_classes_grow_the_cache():

@@ -378,7 +378,7 @@ def test_the_ddp_scan_passes_over_dead_weak_proxies():
     # live objects of a real program (the full suite has them), and the scan met one there.
     import weakref
 
-    import torch_ext.lanes
+    import torch_ext.collectives.lanes
 
     class Referent:
         pass
@@ -386,5 +386,5 @@ def test_the_ddp_scan_passes_over_dead_weak_proxies():
     referent = Referent()
     proxy = weakref.proxy(referent)
     del referent
-    assert torch_ext.lanes._data_parallel_on(GROUP) == []
+    assert torch_ext.collectives.lanes._data_parallel_on(GROUP) == []
     del proxy

@@ -190,7 +190,7 @@ def test_current_node_switch_reaches_the_engine(monkeypatch, value, forced_off):
 
 @pytest.mark.slow
 def test_import_refuses_a_bad_collective_check_switch():
-    # Read by torch_ext.collective_check, which once took any value but "" and "0" for on.
+    # Read by torch_ext.collectives.order_check, which once took any value but "" and "0" for on.
     result = subprocess.run(
         [sys.executable, "-c", "import torch_ext"],
         env={**os.environ, "TORCH_EXT_CHECK_COLLECTIVES": "maybe"},

@@ -7,14 +7,19 @@ for and the one it found) when that is not possible; see torch_ext/_loader.py.
 # The names outside __all__ are deprecated, kept for one release (torch_ext._api): each warns, naming its
 # replacement.
 from torch_ext import verify  # the module, callable: torch_ext.verify(step) is torch_ext.verify.verify(step)
-from torch_ext.collective_check import check_collective_order, collective_check_count
-from torch_ext.collective_check import collective_checks as collective_checks
-from torch_ext.collectives import collective_role, register_collective_backward, unregister_collective_backward
+from torch_ext.collectives import (
+    check_collective_order,
+    collective_check_count,
+    collective_role,
+    register_collective_backward,
+    run_in_lane,
+    unregister_collective_backward,
+)
+from torch_ext.collectives import collective_checks as collective_checks
 from torch_ext.current_node import current_node_supported as current_node_supported
 from torch_ext.current_node import is_current_node_supported
 from torch_ext.engine import Engine, backward, disable, enable, grad, is_enabled
 from torch_ext.engine import enabled as enabled
-from torch_ext.lanes import run_in_lane
 from torch_ext.order import execution_order
 from torch_ext.priority import (
     LAUNCH_FIRST,

@@ -17,7 +17,7 @@ joins the worker threads. Anything that still holds the group keeps them running
 ``torch.distributed.nn.functional`` imported after ``init_process_group``: its functions' default
 ``group=group.WORLD`` binds the live default group, and torch._dynamo imports it, so a functional
 collective's first call does too. (torch_ext imports it with its ops, so imported before
-``init_process_group`` it binds None; ``torch_ext.lanes`` holds the groups it checked weakly.) Megatron's
+``init_process_group`` it binds None; ``torch_ext.collectives.lanes`` holds the groups it checked weakly.) Megatron's
 parallel state holds its groups until ``destroy_model_parallel``. In a real exit the race is narrow: the worker must want the GIL in the last few milliseconds
 before finalization. It shows up on a loaded machine. Here the window is widened so that it happens every
 time: the switch interval is 10 s, and rank 0's main thread holds the GIL in a C loop while the worker

@@ -90,7 +90,7 @@ def _run(rank: int) -> dict:
 
 
 def _funcol_node_class() -> type:
-    from torch_ext.collectives import _generated_function
+    from torch_ext.collectives.roles import _generated_function
 
     return _generated_function(FUNCOL_ALL_TO_ALL.default, "test")._backward_cls
 

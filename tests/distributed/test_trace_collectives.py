@@ -17,7 +17,7 @@ from torch_ext.tracing import chrome_trace
 
 pytestmark = pytest.mark.distributed
 
-COLLECTIVE_PRIORITY = torch_ext.collectives._C.collective_priority
+COLLECTIVE_PRIORITY = torch_ext._C.collective_priority
 
 
 def _leaf(rank: int, *shape: int, salt: int = 0) -> torch.Tensor:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from torch_ext._loader import _C
-from torch_ext.collectives import _LANE, FunctionClasses, _generated_function, _is_op, _node_classes, _overload
+from torch_ext.collectives.roles import _LANE, FunctionClasses, _generated_function, _is_op, _node_classes, _overload
 
 # Backward node class -> how to find its process group from the node's ctx.
 _GROUP_OF: dict[type, Callable[[Any], Any]] = {}
