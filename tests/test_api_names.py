@@ -3,12 +3,15 @@ names, each of which warns, naming its replacement, and still works."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
 import torch_ext
+import torch_ext.collectives
 from torch_ext import kernels
 
 
@@ -79,6 +82,45 @@ def test_collective_checks_warns_and_works():
         "torch_ext.collective_checks", "torch_ext.collective_check_count", torch_ext.collective_checks
     )
     assert count == torch_ext.collective_check_count()
+
+
+@pytest.mark.parametrize(
+    "old, new, hint",
+    [
+        ("torch_ext.lanes", "torch_ext.collectives.lanes", ", or torch_ext.run_in_lane"),
+        (
+            "torch_ext.collective_check",
+            "torch_ext.collectives.order_check",
+            ", or torch_ext.check_collective_order and torch_ext.collective_check_count",
+        ),
+    ],
+)
+def test_the_collectives_old_module_paths_warn_and_are_the_new_modules(monkeypatch, old, new, hint):
+    # A module warns when first imported: forget any earlier import of the old path.
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    module = _deprecated_call(old, new + hint, lambda: __import__(old, fromlist=["*"]))
+    assert module is sys.modules[new]
+    assert sys.modules[old] is module  # `import torch_ext.lanes` again: the same module, without a warning
+
+
+def test_the_collectives_names_are_torch_exts():
+    # torch_ext.collectives is their one home; torch_ext re-exports them.
+    names = [*torch_ext.collectives.__all__, "collective_checks"]
+    assert set(names) - {"collective_checks"} <= set(torch_ext.__all__)
+    for name in names:
+        assert getattr(torch_ext.collectives, name) is getattr(torch_ext, name), name
+    assert torch_ext.collectives.run_in_lane is torch_ext.collectives.lanes.run_in_lane
+    assert torch_ext.collectives.check_collective_order is torch_ext.collectives.order_check.check_collective_order
+    assert torch_ext.collectives.collective_role is torch_ext.collectives.roles.collective_role
+
+
+@pytest.mark.slow
+def test_importing_torch_ext_imports_no_deprecated_path():
+    code = "import sys, torch_ext; print([m for m in ('torch_ext.lanes', 'torch_ext.collective_check') if m in sys.modules])"
+    run = subprocess.run(
+        [sys.executable, "-W", "error::FutureWarning", "-c", code], capture_output=True, text=True, check=True
+    )
+    assert run.stdout.strip() == "[]"
 
 
 def test_kernels_names_warn_and_work():

@@ -17,6 +17,8 @@
 
 Each public name here is also ``torch_ext.<name>``. Importing torch_ext imports the three modules, and with
 them hands the engine the callbacks it asks: a node class's role, a lane node's group and the order checker.
+``torch_ext.lanes`` and ``torch_ext.collective_check``, the old paths of two of them, still import for one
+release and warn.
 """
 
 from torch_ext.collectives.lanes import run_in_lane
