@@ -1,7 +1,8 @@
 // The Python side of collectives: which node classes are collectives (the
 // role cache, the built-in rules' decider and explicit registrations), the
-// questions the engine asks torch_ext.lanes and torch_ext.collective_check
-// (installed as HostCallbacks), and their torch_ext._C bindings.
+// questions the engine asks torch_ext.collectives.lanes and
+// torch_ext.collectives.order_check (installed as HostCallbacks), and their
+// torch_ext._C bindings.
 
 #include "bindings/python_collectives.h"
 #include "bindings/python_request.h"
@@ -232,15 +233,15 @@ RoleCache& role_cache() {
   return *cache;
 }
 
-// torch_ext.collectives' built-in rules, called with a node class seen for the
-// first time; returns its role as an int. Guarded by the GIL.
+// torch_ext.collectives.roles' built-in rules, called with a node class seen
+// for the first time; returns its role as an int. Guarded by the GIL.
 PyObject* role_decider = nullptr;
 // The weak references' callback (forget_dead_class below).
 PyObject* forget_callback = nullptr;
-// torch_ext.lanes' resolver: a lane node's ctx -> its process group. Guarded
-// by the GIL.
+// torch_ext.collectives.lanes' resolver: a lane node's ctx -> its process
+// group. Guarded by the GIL.
 PyObject* lane_group_resolver = nullptr;
-// torch_ext.collective_check's checker, or null when the check is off.
+// torch_ext.collectives.order_check's checker, or null when the check is off.
 // Written with the GIL; read without it by collective_check_enabled.
 PyObject* collective_checker = nullptr;
 std::atomic<bool> collective_check_on{false};
@@ -285,7 +286,7 @@ CollectiveRole decide_role(PyTypeObject* node_class) {
     return *role;
   }
   if (role_decider == nullptr) {
-    // torch_ext.collectives not imported yet: decide again next time.
+    // torch_ext.collectives.roles not imported yet: decide again next time.
     return CollectiveRole::kNone;
   }
   THPObjectPtr decided(PyObject_CallOneArg(
@@ -394,13 +395,13 @@ bool python_defers_its_wait(const Node& fn) {
       kOwnOps;
 }
 
-// HostCallbacks::lane_group_key: asks torch_ext.lanes with the GIL, which
-// also refuses a group the engine can see is unsafe (DDP reducing on it).
+// HostCallbacks::lane_group_key: asks torch_ext.collectives.lanes with the GIL,
+// which also refuses a group the engine can see is unsafe (DDP reducing on it).
 uintptr_t python_lane_group_key(const Node& fn) {
   pybind11::gil_scoped_acquire gil;
   TORCH_INTERNAL_ASSERT(
       lane_group_resolver != nullptr,
-      "torch_ext.lanes is not imported");
+      "torch_ext.collectives.lanes is not imported");
   PyObject* ctx = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
   TORCH_INTERNAL_ASSERT(ctx != nullptr);
   THPObjectPtr group(PyObject_CallOneArg(lane_group_resolver, ctx));
@@ -408,8 +409,8 @@ uintptr_t python_lane_group_key(const Node& fn) {
     throw python_error();
   }
   // The group outlives the call: the node's ctx holds it (ctx.group), or it
-  // is the default group. torch_ext.lanes holds it only weakly, so that
-  // destroy_process_group can free it (test_clean_exit.py says why).
+  // is the default group. torch_ext.collectives.lanes holds it only weakly, so
+  // that destroy_process_group can free it (test_clean_exit.py says why).
   return reinterpret_cast<uintptr_t>(group.get());
 }
 
@@ -467,8 +468,8 @@ PyObject* expected_gradients(const Node& fn) {
   return gradients.release();
 }
 
-// One call's check, in torch_ext.collective_check's hands: checker.begin's
-// exchange in flight, awaited with checker.wait.
+// One call's check, in torch_ext.collectives.order_check's hands:
+// checker.begin's exchange in flight, awaited with checker.wait.
 class PythonOrderCheck final : public CollectiveOrderCheck {
  public:
   PythonOrderCheck(PyObject* checker, PyObject* pending)

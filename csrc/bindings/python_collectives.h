@@ -1,9 +1,9 @@
 #pragma once
 
 // The Python side of collectives (python_collectives.cpp): each node class's
-// role, decided by torch_ext.collectives' rules or a registration and cached
-// per class; the questions the engine asks torch_ext.lanes and
-// torch_ext.collective_check; their torch_ext._C functions.
+// role, decided by torch_ext.collectives.roles' rules or a registration and
+// cached per class; the questions the engine asks torch_ext.collectives.lanes
+// and torch_ext.collectives.order_check; their torch_ext._C functions.
 
 #include "engine/host_callbacks.h"
 

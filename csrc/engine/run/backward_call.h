@@ -125,12 +125,12 @@ class BackwardCall final : public HostedRun {
   // lane nodes go to their lanes, and what the lanes finish is delivered as it
   // finishes.
   template <bool kTraced>
-  void run_with_lanes();
-  // Whether this call runs its collectives in sequence (run_with_lanes): to
+  void run_in_sequence();
+  // Whether this call runs its collectives in sequence (run_in_sequence): to
   // hand lane nodes to lanes, or for the collective order check. Not in
   // split backward's passes, whose kept and resumed nodes the sequence does
   // not replay.
-  bool uses_lanes() const {
+  bool runs_collective_sequence() const {
     return (plan_.has_lanes ||
             (plan_.has_collectives &&
              host_callbacks().collective_check_enabled())) &&
@@ -324,7 +324,7 @@ class BackwardCall final : public HostedRun {
   // While tracing: the event of the node running now (its launches).
   int32_t running_node_event_ = trace::kNoEvent;
 
-  // While a call runs its collectives in sequence (run_with_lanes): the
+  // While a call runs its collectives in sequence (run_in_sequence): the
   // lanes and each collective's turn (collective_sequence.h).
   std::unique_ptr<CollectiveSequence> sequence_;
   // The collective order check of this call, when it is on: begun with the

@@ -97,7 +97,7 @@ void BackwardCall::unpark() {
 }
 
 template <bool kTraced>
-void BackwardCall::run_with_lanes() {
+void BackwardCall::run_in_sequence() {
   build_collective_sequence();
   // Ctrl-C while the engine waits for a lane (the collective releases the
   // GIL; the engine thread holds none).
@@ -163,8 +163,8 @@ void BackwardCall::run_with_lanes() {
       " collective node(s) never reached their turn in the collective sequence");
 }
 
-template void BackwardCall::run_with_lanes<false>();
-template void BackwardCall::run_with_lanes<true>();
+template void BackwardCall::run_in_sequence<false>();
+template void BackwardCall::run_in_sequence<true>();
 
 c10::Stream BackwardCall::move_to_side_stream(
     const c10::Stream& node_stream,

@@ -1,9 +1,10 @@
 #pragma once
 
 // The state of a call that runs its collectives in sequence
-// (BackwardCall::uses_lanes, run_with_lanes in collective_sequence.cpp): the
-// collective lanes, the nodes on them, and each collective's turn. Made only
-// for such a call, so an ordinary call carries none of it.
+// (BackwardCall::runs_collective_sequence, run_in_sequence in
+// collective_sequence.cpp): the collective lanes, the nodes on them, and each
+// collective's turn. Made only for such a call, so an ordinary call carries
+// none of it.
 
 #include "collectives/collective_lane.h"
 #include "engine/trace.h"

@@ -200,8 +200,8 @@ void BackwardCall::run(Node* host_node) {
 
   int32_t running = kNoSlot;
   try {
-    const bool checks_order_alone = !uses_lanes() && plan_.has_collectives &&
-        host_callbacks().collective_check_enabled();
+    const bool checks_order_alone = !runs_collective_sequence() &&
+        plan_.has_collectives && host_callbacks().collective_check_enabled();
     if (checks_order_alone) {
       // Split backward's passes: no sequence to enforce (their kept and
       // resumed nodes are not replayed by it), but the ranks still compare
@@ -210,11 +210,11 @@ void BackwardCall::run(Node* host_node) {
     }
     seed();
     const bool traced = trace_ != nullptr;
-    if (uses_lanes()) {
+    if (runs_collective_sequence()) {
       if (traced) {
-        run_with_lanes</*kTraced=*/true>();
+        run_in_sequence</*kTraced=*/true>();
       } else {
-        run_with_lanes</*kTraced=*/false>();
+        run_in_sequence</*kTraced=*/false>();
       }
     } else {
       // One loop for both: with a loop per variant GCC stopped inlining the
