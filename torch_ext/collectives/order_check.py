@@ -4,26 +4,28 @@ On every rank, the collectives of one process group must be issued in the same o
 (or mix up data). torch_ext keeps its order the same on ranks that have the same graph and priorities; what
 breaks it is a graph or a priority that differs by rank. A backward's plan fixes, before any node runs, every
 collective it will start and their order (its own ops, PyTorch's functional collectives, TorchRec's launches,
-lane nodes). With the check on, the ranks exchange a fingerprint of that whole sequence over a gloo group of
-their own, once per backward: for each collective, the node's name, its place in the sequence, which
-collective it is (its index among the call's collective nodes in the order forward made them), the ranks of
-its group where the node says (``ctx.group``), and the shapes and dtypes of the gradients it will be given.
-A mismatch raises on every rank before any of them starts a collective of that backward, naming the first
-collective that differs and each rank's sequence up to it, where the collective itself would have hung or
-mixed up data.
+lane nodes; in split backward's passes too). With the check on, the ranks compare that whole sequence once
+per backward, over a gloo group of their own. Each collective is named by its node's name, which collective it
+is (its index among the call's collectives on its group, in the order forward made them), its group's ranks
+where the node says (``ctx.group``), and the shapes and dtypes of the gradients it will be given. Two ranks
+must agree, in order, on the collectives of the groups they share (ranks of different expert-parallel groups
+need not). A mismatch raises on every rank before any of them starts a collective, or runs a hook, of that
+backward, naming the two ranks and the first collective they disagree on, where the collective itself would
+have hung or mixed up data.
 
 The identity matters most where the shapes agree: two all_to_alls of one shape (an MoE layer's dispatch and
 combine) started in opposite orders on two ranks do not hang; gloo and NCCL pair them and mix up the data.
 Their kinds match, but one rank starts forward's first and the other forward's second. The index counts
 collective nodes only, so autograd work one rank does outside them (logging, metrics) does not shift it.
 
-The exchange leaves the engine thread: it starts on a worker thread when the plan is made, and only the thread
-that starts the backward's first collective waits for it (a lane, which would wait for the other ranks in
-that collective anyway; the engine thread when the engine issues the collective itself), so it is cheap
-enough to leave on (benchmarks/moe_sync.py measures it). Switch it on with :func:`check_collective_order`, or
-with ``TORCH_EXT_CHECK_COLLECTIVES=1`` in every rank's environment (read when torch_ext is imported). Only
-what torch_ext runs is checked: collectives issued outside its engine, or by hooks, are not seen, nor those
-of split backward's passes.
+The exchange leaves the engine thread: an asynchronous all_gather of an 8-byte digest per rank, started when
+the plan is made, and awaited by the thread that starts the backward's first collective (a lane, which would
+wait for the other ranks in that collective anyway; the engine thread when the engine issues the collective
+itself) or runs its first hook. It costs about 0.2 ms of the engine thread per backward and is cheap enough to
+leave on (benchmarks/moe_sync.py measures it; docs/guides/moe.md has the figures). Switch it on with
+:func:`check_collective_order`, or with ``TORCH_EXT_CHECK_COLLECTIVES=1`` in every rank's environment (read
+when torch_ext is imported). Only what torch_ext runs is checked: collectives issued outside its engine, or by
+hooks, are not seen.
 """
 
 from __future__ import annotations
@@ -238,8 +240,9 @@ def check_collective_order(
         enabled: on or off. Call it the same way on every rank.
         group: the process group the ranks exchange fingerprints over; by default a gloo group of all ranks,
             made (``torch.distributed.new_group``) at the first check. Not the group of a lane.
-        timeout: that group's timeout: how long a rank waits for another to reach the same check (a rank
-            that issued fewer collectives never does). By default the process group default.
+        timeout: that group's timeout: how long a rank waits for another to reach the same backward's check (a
+            rank whose backward has no collective, or that died, never does). By default the process group
+            default.
     """
     global _checker
     _checker = _Checker(group, timeout) if enabled else None
