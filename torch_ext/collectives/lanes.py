@@ -27,7 +27,8 @@ runs: :class:`~torch.nn.parallel.DistributedDataParallel` reducing on the same g
 hook whose state is that group (or holds it as ``process_group``), FSDP2 (``fully_shard``: its parameter
 groups' shard, reduce-scatter and replicate groups) and FSDP1 communicating on it. A group is checked at
 its lane's first use, and again after any DDP module, DDP communication hook or FSDP parameter group is
-made, so wrapping a model after the first backward is seen too. Groups are compared by identity: a second
+made (torch_ext wraps their constructors and ``register_comm_hook`` to forget the groups checked; nothing
+else changes), so wrapping a model after the first backward is seen too. Groups are compared by identity: a second
 group over the same ranks is another communicator (safe under gloo; under NCCL, see the design notes on
 several communicators).
 """
