@@ -117,6 +117,19 @@ def _swap_cases(rank: int, library: str, all_to_all) -> dict:
     return results
 
 
+# The all_to_alls RecordedAllToAll's backward started in this rank's current split backward.
+started_all_to_alls: list[str] = []
+
+
+class RecordedAllToAll(SyncAllToAll):
+    """SyncAllToAll that records each backward it starts, in ``started_all_to_alls``."""
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        started_all_to_alls.append("all_to_all")
+        return SyncAllToAll.backward(ctx, grad)
+
+
 def _split_passes(rank: int, swap: bool) -> dict:
     """Split backward's passes (torch_ext.backward_input, then backward_weight) over dispatch and combine, two
     same-shaped all_to_alls on the input's path; with ``swap``, started in opposite orders on the two ranks."""
@@ -124,19 +137,20 @@ def _split_passes(rank: int, swap: bool) -> dict:
     stage_input = torch.randn(4, 6, requires_grad=True)
     w1 = torch.randn(6, 6, requires_grad=True)
     w2 = torch.randn(6, 6, requires_grad=True)
-    dispatch = SyncAllToAll.apply(stage_input @ w1)
-    combine = SyncAllToAll.apply(stage_input.sin() @ w2)
+    dispatch = RecordedAllToAll.apply(stage_input @ w1)
+    combine = RecordedAllToAll.apply(stage_input.sin() @ w2)
     loss = (dispatch * 3).sum() + (combine * combine).sum()
     if swap:
         first, second = (dispatch, combine) if rank == 0 else (combine, dispatch)
         torch_ext.set_priority(first, 2)
         torch_ext.set_priority(second, 1)
+    started_all_to_alls.clear()
     try:
         (input_grad,), state = torch_ext.backward_input(loss, None, [stage_input], [w1, w2])
         weight_grads = torch_ext.backward_weight(state)
     except RuntimeError as error:
-        return {"error": str(error)}
-    return {"error": None, "grads": [input_grad, *weight_grads]}
+        return {"error": str(error), "started": list(started_all_to_alls)}
+    return {"error": None, "grads": [input_grad, *weight_grads], "started": list(started_all_to_alls)}
 
 
 def _split_stock() -> list:
@@ -151,7 +165,7 @@ def _split_stock() -> list:
 
 
 def _run(rank: int) -> dict:
-    torch_ext.run_in_lane(SyncAllToAll)
+    torch_ext.run_in_lane(SyncAllToAll, RecordedAllToAll)
     torch_ext.check_collective_order()
     results = {}
     for case, (extra, priority) in {"agree": (None, None), "extra": (1, None), "priority": (None, 1)}.items():
@@ -269,6 +283,8 @@ def test_split_backward_passes_are_checked(results):
     messages = [result["split_swap"]["error"] for result in results]
     assert all(message is not None for message in messages), messages
     assert messages[0] == messages[1]
+    # Raised before either all_to_all started, on every rank (a mismatch of other shapes would hang there).
+    assert [result["split_swap"]["started"] for result in results] == [[], []]
     assert (
         "(forward's collective #0 on its group)" in messages[0]
         and "(forward's collective #1 on its group)" in messages[0]

@@ -69,8 +69,10 @@ void BackwardCall::await_order_check_before(int32_t slot) {
   // user's), on any group: none runs before the ranks agree, or a divergence
   // would leave that group out of step on the ranks whose hook got there
   // first. A lane node's collective awaits the verdict on its lane instead
-  // (dispatch_to_lane); its hooks run here.
-  if (has_any_hooks(*node.fn) || (node.collective && !runs_in_lane(slot))) {
+  // (dispatch_to_lane; its hooks run here), where there are lanes: split
+  // backward's passes run it inline.
+  const bool on_a_lane = sequence_ != nullptr && runs_in_lane(slot);
+  if (has_any_hooks(*node.fn) || (node.collective && !on_a_lane)) {
     order_check_->await();
     order_check_passed_ = true;
   }
