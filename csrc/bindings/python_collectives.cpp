@@ -519,7 +519,7 @@ class PythonOrderCheck final : public CollectiveOrderCheck {
 };
 
 // HostCallbacks::begin_collective_check: checker.begin(collectives), each
-// (node, identity, expected gradients), in the order the call starts them.
+// (node, sequence_nr, expected gradients), in the order the call starts them.
 std::shared_ptr<CollectiveOrderCheck> python_begin_collective_check(
     const std::vector<CheckedCollective>& sequence) {
   pybind11::gil_scoped_acquire gil;
@@ -535,12 +535,13 @@ std::shared_ptr<CollectiveOrderCheck> python_begin_collective_check(
     THPObjectPtr node(checked_node(*sequence[i].fn));
     THPObjectPtr gradients(
         node ? expected_gradients(*sequence[i].fn) : nullptr);
-    PyObject* entry = gradients ? Py_BuildValue(
-                                      "(OiO)",
-                                      node.get(),
-                                      sequence[i].identity,
-                                      gradients.get())
-                                : nullptr;
+    PyObject* entry = gradients
+        ? Py_BuildValue(
+              "(OKO)",
+              node.get(),
+              static_cast<unsigned long long>(sequence[i].created),
+              gradients.get())
+        : nullptr;
     if (entry == nullptr) {
       throw python_error();
     }
@@ -720,8 +721,7 @@ PyMethodDef collective_methods[] = {
      METH_O,
      "set_collective_checker(checker or None): checker.begin(collectives) "
      "when a call's plan is made, collectives its sequence as (node, "
-     "identity, expected gradients), identity the node's index among them in "
-     "creation order; checker.wait(what begin returned) before the first "
+     "sequence_nr, expected gradients); checker.wait(what begin returned) before the first "
      "starts and at the call's end, raising on a mismatch; None switches the "
      "check off."},
     {"set_lane_group_resolver",

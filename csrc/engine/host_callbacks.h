@@ -25,12 +25,13 @@ using torch::autograd::Node;
 using torch::autograd::variable_list;
 
 // A collective of a call's sequence as the collective order check names it:
-// the node, and which of the call's collective nodes forward made it (its
-// index among them in creation order: ranks running the same program agree
-// on it whatever order they start them in).
+// the node, and when forward made it (its sequence_nr: every node of one
+// graph was made on one thread, whose numbers only grow). The host derives
+// which collective of its group it is, which ranks running the same program
+// agree on whatever order they start them in.
 struct CheckedCollective {
   const Node* fn;
-  int32_t identity;
+  uint64_t created;
 };
 
 // One call's collective order check (torch_ext.check_collective_order),

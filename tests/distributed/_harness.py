@@ -60,6 +60,19 @@ def profiled_backward(loss: torch.Tensor) -> EventList:
     return profile.events()
 
 
+def node_threads(events: EventList, is_collective: Callable[[str], bool]) -> dict[str, set[int]]:
+    """The threads a profiled backward ran the collective's nodes on (events whose name ``is_collective`` accepts)
+    and the dense path's (its matmuls, AddmmBackward): ``{"all_to_all": ..., "dense": ...}``. A lane shows as a
+    collective thread apart from the dense ones."""
+    threads: dict[str, set[int]] = {"all_to_all": set(), "dense": set()}
+    for event in events:
+        if is_collective(event.name):
+            threads["all_to_all"].add(event.thread)
+        elif event.name.startswith("autograd::engine::evaluate_function: AddmmBackward"):
+            threads["dense"].add(event.thread)
+    return threads
+
+
 def ran_on_torch_ext(events: EventList) -> bool:
     """Whether a profiled backward ran on torch_ext's engine.
 

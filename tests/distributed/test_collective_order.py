@@ -82,10 +82,16 @@ def _swap_loss(rank: int, all_to_all, swap: bool) -> tuple[torch.Tensor, list]:
     combine = all_to_all(y.sin())
     loss = (dispatch * 3).sum() + (combine * combine).sum()
     if swap:
-        first, second = (dispatch, combine) if rank == 0 else (combine, dispatch)
-        torch_ext.set_priority(_collective_node(first), 2)
-        torch_ext.set_priority(_collective_node(second), 1)
+        _start_in_opposite_orders(rank, dispatch, combine)
     return loss, [x, y]
+
+
+def _start_in_opposite_orders(rank: int, dispatch: torch.Tensor, combine: torch.Tensor) -> None:
+    """Priorities (below the automatic collective priority) that make rank 0 start dispatch's all_to_all first and
+    rank 1 combine's."""
+    first, second = (dispatch, combine) if rank == 0 else (combine, dispatch)
+    torch_ext.set_priority(_collective_node(first), 2)
+    torch_ext.set_priority(_collective_node(second), 1)
 
 
 def _collective_node(t: torch.Tensor):
@@ -130,23 +136,28 @@ class RecordedAllToAll(SyncAllToAll):
         return SyncAllToAll.backward(ctx, grad)
 
 
-def _split_passes(rank: int, swap: bool) -> dict:
-    """Split backward's passes (torch_ext.backward_input, then backward_weight) over dispatch and combine, two
-    same-shaped all_to_alls on the input's path; with ``swap``, started in opposite orders on the two ranks."""
+def _split_stage(all_to_all) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """A pipeline stage with dispatch and combine, two same-shaped all_to_alls on its input's path: (loss, dispatch,
+    combine, the stage input, the weights)."""
     torch.manual_seed(0)
     stage_input = torch.randn(4, 6, requires_grad=True)
     w1 = torch.randn(6, 6, requires_grad=True)
     w2 = torch.randn(6, 6, requires_grad=True)
-    dispatch = RecordedAllToAll.apply(stage_input @ w1)
-    combine = RecordedAllToAll.apply(stage_input.sin() @ w2)
+    dispatch = all_to_all(stage_input @ w1)
+    combine = all_to_all(stage_input.sin() @ w2)
     loss = (dispatch * 3).sum() + (combine * combine).sum()
+    return loss, dispatch, combine, stage_input, [w1, w2]
+
+
+def _split_passes(rank: int, swap: bool) -> dict:
+    """Split backward's passes (torch_ext.backward_input, then backward_weight) over the stage; with ``swap``, its
+    all_to_alls started in opposite orders on the two ranks."""
+    loss, dispatch, combine, stage_input, weights = _split_stage(RecordedAllToAll.apply)
     if swap:
-        first, second = (dispatch, combine) if rank == 0 else (combine, dispatch)
-        torch_ext.set_priority(first, 2)
-        torch_ext.set_priority(second, 1)
+        _start_in_opposite_orders(rank, dispatch, combine)
     started_all_to_alls.clear()
     try:
-        (input_grad,), state = torch_ext.backward_input(loss, None, [stage_input], [w1, w2])
+        (input_grad,), state = torch_ext.backward_input(loss, None, [stage_input], weights)
         weight_grads = torch_ext.backward_weight(state)
     except RuntimeError as error:
         return {"error": str(error), "started": list(started_all_to_alls)}
@@ -154,14 +165,9 @@ def _split_passes(rank: int, swap: bool) -> dict:
 
 
 def _split_stock() -> list:
-    torch.manual_seed(0)
-    stage_input = torch.randn(4, 6, requires_grad=True)
-    w1 = torch.randn(6, 6, requires_grad=True)
-    w2 = torch.randn(6, 6, requires_grad=True)
-    dispatch = SyncAllToAll.apply(stage_input @ w1)
-    combine = SyncAllToAll.apply(stage_input.sin() @ w2)
-    ((dispatch * 3).sum() + (combine * combine).sum()).backward()
-    return [stage_input.grad, w1.grad, w2.grad]
+    loss, _, _, stage_input, weights = _split_stage(SyncAllToAll.apply)
+    loss.backward()
+    return [stage_input.grad, *(w.grad for w in weights)]
 
 
 def _run(rank: int) -> dict:

@@ -34,7 +34,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _harness import assert_identical, assert_torch_ext_matches_stock, profiled_backward, ran_on_torch_ext, run_ranks
+from _harness import (
+    assert_identical,
+    assert_torch_ext_matches_stock,
+    node_threads,
+    profiled_backward,
+    ran_on_torch_ext,
+    run_ranks,
+)
 from test_faults import _run as run_with_a_fault
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -141,17 +148,6 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: param.grad.clone() for name, param in model.named_parameters()}
 
 
-def _threads(events) -> dict[str, set[int]]:
-    """The threads the profiled backward ran the all_to_alls' nodes and the matmuls' nodes on."""
-    threads: dict[str, set[int]] = {"all_to_all": set(), "matmul": set()}
-    for event in events:
-        if event.name.endswith("_AllToAllBackward"):
-            threads["all_to_all"].add(event.thread)
-        elif event.name.startswith("autograd::engine::evaluate_function: AddmmBackward"):
-            threads["matmul"].add(event.thread)
-    return threads
-
-
 def _train(rank: int, groups, on_torch_ext: bool) -> dict:
     """STEPS AdamW steps from the same initial state on either engine: every loss, gradient and parameter."""
     model = ExpertParallelLayer(rank, *groups)
@@ -164,7 +160,10 @@ def _train(rank: int, groups, on_torch_ext: bool) -> dict:
             loss = F.mse_loss(model(tokens), target)
             if step == 0:
                 events = profiled_backward(loss)
-                result["driver_ran"], result["threads"] = ran_on_torch_ext(events), _threads(events)
+                result["driver_ran"], result["threads"] = (
+                    ran_on_torch_ext(events),
+                    node_threads(events, lambda name: name.endswith("_AllToAllBackward")),
+                )
             else:
                 loss.backward()
             result["losses"].append(loss.detach())
@@ -231,8 +230,8 @@ def test_ep2_dp2_trains_with_stock_bits(results):
         # The lane ran the all_to_alls on a thread of their own, beside the matmuls on the engine's.
         result["train"]["stock"].pop("threads")
         threads = result["train"]["torch_ext"].pop("threads")
-        assert threads["all_to_all"] and threads["matmul"], (rank, threads)
-        assert not threads["all_to_all"] & threads["matmul"], (rank, threads)
+        assert threads["all_to_all"] and threads["dense"], (rank, threads)
+        assert not threads["all_to_all"] & threads["dense"], (rank, threads)
         # The order check compared every backward's collectives.
         assert result["checks"] >= STEPS, (rank, result["checks"])
     # Every loss, gradient (after every step) and final parameter, bit for bit; the backward ran on torch_ext.

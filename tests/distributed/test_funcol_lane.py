@@ -10,11 +10,13 @@ loss, gradient and parameter after several SGD steps is stock's.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from _harness import assert_identical, profiled_backward, ran_on_torch_ext, run_ranks
+from _harness import assert_identical, node_threads, profiled_backward, ran_on_torch_ext, run_ranks
 from torch import nn
 
 import torch_ext
@@ -45,16 +47,6 @@ class FunctionalExpertParallel(nn.Module):
         return self.head(returned + self.dense(tokens))
 
 
-def _threads(events) -> dict[str, set[int]]:
-    threads: dict[str, set[int]] = {"all_to_all": set(), "matmul": set()}
-    for event in events:
-        if event.name.endswith(NODE):
-            threads["all_to_all"].add(event.thread)
-        elif event.name.startswith("autograd::engine::evaluate_function: AddmmBackward"):
-            threads["matmul"].add(event.thread)
-    return threads
-
-
 def _train(rank: int, on_torch_ext: bool) -> dict:
     torch.manual_seed(rank)
     model = FunctionalExpertParallel()
@@ -65,10 +57,13 @@ def _train(rank: int, on_torch_ext: bool) -> dict:
         tokens = torch.randn(2 * TOKENS, DIM)
         optimizer.zero_grad()
         loss = model(tokens).square().mean()
-        with torch_ext.enable() if on_torch_ext else torch.autograd.set_grad_enabled(True):
+        with torch_ext.enable() if on_torch_ext else contextlib.nullcontext():
             if step == 0:
                 events = profiled_backward(loss)
-                result["driver_ran"], result["threads"] = ran_on_torch_ext(events), _threads(events)
+                result["driver_ran"], result["threads"] = (
+                    ran_on_torch_ext(events),
+                    node_threads(events, lambda name: name.endswith(NODE)),
+                )
             else:
                 loss.backward()
         result["losses"].append(loss.detach())
@@ -113,8 +108,8 @@ def test_the_all_to_alls_leave_the_engine_thread(results):
     for rank, result in enumerate(results):
         stock, lane = result["stock"]["threads"], result["lane"]["threads"]
         # Stock: every node on one thread. The lane: the all_to_alls on their lane, the matmuls on the engine's.
-        assert stock["all_to_all"] == stock["matmul"], (rank, stock)
-        assert lane["all_to_all"] and lane["matmul"] and not lane["all_to_all"] & lane["matmul"], (rank, lane)
+        assert stock["all_to_all"] == stock["dense"], (rank, stock)
+        assert lane["all_to_all"] and lane["dense"] and not lane["all_to_all"] & lane["dense"], (rank, lane)
 
 
 def test_the_declaration_is_undone_to_the_built_in_role(results):

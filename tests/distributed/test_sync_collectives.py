@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from _harness import (
     WORLD_SIZE,
     assert_torch_ext_matches_stock,
+    node_threads,
     profiled_backward,
     ran_on_torch_ext,
     run_ranks,
@@ -111,17 +112,6 @@ def _node_order(labels: dict) -> list[str]:
     return order
 
 
-def _threads(events) -> dict[str, set[int]]:
-    """The threads the profiled backward ran the all_to_all's node and the dense path's nodes on."""
-    threads: dict[str, set[int]] = {"all_to_all": set(), "dense": set()}
-    for event in events:
-        if event.name == LAUNCH:
-            threads["all_to_all"].add(event.thread)
-        elif event.name.startswith("autograd::engine::evaluate_function: AddmmBackward"):
-            threads["dense"].add(event.thread)
-    return threads
-
-
 @contextlib.contextmanager
 def _declared(function, lane: bool):
     if not lane:
@@ -158,7 +148,7 @@ def _train(case: Case, rank: int, on_torch_ext: bool) -> dict:
             if result["driver_ran"] is None:
                 events = profiled_backward(loss)
                 result["driver_ran"] = ran_on_torch_ext(events)
-                result["threads"] = _threads(events)
+                result["threads"] = node_threads(events, lambda name: name == LAUNCH)
             else:
                 loss.backward()
             result["grads"].append({name: p.grad.clone() for name, p in model.named_parameters()})

@@ -56,14 +56,12 @@ def _group_ranks(node: Any) -> tuple[int, ...] | None:
         return (-1, size()) if callable(size) else None
 
 
-def _fingerprint(node: Any, position: int, identity: int, gradients: list | None) -> tuple:
-    """``gradients``: the (shape, dtype) of each gradient the node will be given, None for one the engine cannot
-    describe (a nested tensor's)."""
-    if node is None:
-        return ("end of backward", position)
+def _fingerprint(node: Any, position: int, identity: int, ranks: tuple | None, gradients: list) -> tuple:
+    """``ranks``: its group's (:func:`_group_ranks`); ``gradients``: the (shape, dtype) of each gradient the node
+    will be given, None for one the engine cannot describe (a nested tensor's)."""
     name = node if isinstance(node, str) else node.name()
-    described = tuple(None if g is None else (tuple(g[0]), str(g[1]).removeprefix("torch.")) for g in gradients or ())
-    return (name, position, identity, _group_ranks(node), described)
+    described = tuple(None if g is None else (tuple(g[0]), str(g[1]).removeprefix("torch.")) for g in gradients)
+    return (name, position, identity, ranks, described)
 
 
 def _describe(fingerprint: tuple) -> str:
@@ -93,9 +91,9 @@ def _digest(value: object) -> int:
 
 
 def _with_identities_per_group(collectives: list[tuple[Any, int, list]]) -> list[tuple]:
-    """The fingerprints, each collective's identity its index among the call's collectives on its group in creation
-    order (the engine gives the index among all of them): a rank with more collectives on a group another rank is
-    not in does not shift the identities they share."""
+    """The fingerprints, each collective's identity its index among the call's collectives on its group in the order
+    forward made them (the engine gives each one's sequence_nr): a rank with more collectives on a group another
+    rank is not in, or more autograd work outside collectives, does not shift the identities they share."""
     ranks = [_group_ranks(node) for node, _, _ in collectives]
     by_group: dict = {}
     for index, (_, created, _) in enumerate(collectives):
@@ -105,10 +103,10 @@ def _with_identities_per_group(collectives: list[tuple[Any, int, list]]) -> list
         for place, (_, index) in enumerate(sorted(members)):
             identity[index] = place
     fingerprints = [
-        _fingerprint(node, position, identity[position], gradients)
+        _fingerprint(node, position, identity[position], ranks[position], gradients)
         for position, (node, _, gradients) in enumerate(collectives)
     ]
-    return [*fingerprints, _fingerprint(None, len(collectives), -1, None)]
+    return [*fingerprints, ("end of backward", len(collectives))]
 
 
 @dataclass
@@ -154,7 +152,7 @@ class _Checker:
         return self._group
 
     def begin(self, collectives: list[tuple[Any, int, list]]) -> _Exchange:
-        """Starts comparing one call's collective sequence, ``(node, creation index, expected gradients)`` in the
+        """Starts comparing one call's collective sequence, ``(node, sequence_nr, expected gradients)`` in the
         order the call will start them, with the other ranks'; returns what ``wait`` takes."""
         fingerprints = _with_identities_per_group(collectives)
         group = self._check_group()

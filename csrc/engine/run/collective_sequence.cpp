@@ -15,7 +15,6 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
-#include <algorithm>
 #include <functional>
 
 namespace torch_ext {
@@ -44,21 +43,10 @@ void BackwardCall::begin_order_check(const std::vector<int32_t>& in_order) {
   if (!host_callbacks().collective_check_enabled()) {
     return;
   }
-  // Which collective forward made each one: every node of one graph was made
-  // on one thread in forward, whose sequence numbers only grow, so sorting by
-  // them is creation order.
-  std::vector<int32_t> by_creation = in_order;
-  std::sort(by_creation.begin(), by_creation.end(), [&](int32_t a, int32_t b) {
-    return plan_.slots[a].fn->sequence_nr() < plan_.slots[b].fn->sequence_nr();
-  });
-  std::vector<int32_t> creation_place(plan_.slots.size(), kNoSlot);
-  for (size_t i = 0; i < by_creation.size(); ++i) {
-    creation_place[by_creation[i]] = static_cast<int32_t>(i);
-  }
   std::vector<CheckedCollective> checked;
   checked.reserve(in_order.size());
   for (const int32_t s : in_order) {
-    checked.push_back({plan_.slots[s].fn, creation_place[s]});
+    checked.push_back({plan_.slots[s].fn, plan_.slots[s].fn->sequence_nr()});
   }
   order_check_ = host_callbacks().begin_collective_check(checked);
 }
@@ -151,11 +139,6 @@ void BackwardCall::run_in_sequence() {
       ++sequence_->next;
       unpark();
     }
-  }
-  if (order_check_ != nullptr) {
-    // A call that started no collective, or whose lanes raised first, still
-    // hears about a divergence before it returns.
-    order_check_->await();
   }
   // Every node of the sequence ran: nothing the plan runs is left parked.
   TORCH_INTERNAL_ASSERT(

@@ -232,6 +232,8 @@ void BackwardCall::run(Node* host_node) {
       }
     }
     if (order_check_ != nullptr) {
+      // A call that started no collective and ran no hook still hears about
+      // a divergence before it returns.
       order_check_->await();
     }
     // Collective results no node read (dropped, or delivered to nodes that

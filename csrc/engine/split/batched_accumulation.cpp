@@ -1,5 +1,4 @@
 #include "engine/split/batched_accumulation.h"
-#include "engine/run/node_steps.h"
 
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -57,10 +56,6 @@ bool AccumulationBatch::available() {
           .has_value();
 }
 
-bool AccumulationBatch::has_hooks(torch::autograd::Node& fn) {
-  return has_any_hooks(fn);
-}
-
 bool AccumulationBatch::try_take(
     torch::autograd::Node& fn,
     const torch::autograd::variable_list& grads) {
@@ -70,7 +65,7 @@ bool AccumulationBatch::try_take(
     return false;
   }
   // Any hook observes the accumulation (or its timing): leave it to the node.
-  if (has_hooks(fn)) {
+  if (has_any_hooks(fn)) {
     return false;
   }
   const at::Tensor& variable = accumulate->variable;

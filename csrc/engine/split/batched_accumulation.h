@@ -13,6 +13,7 @@
 // host task's final callbacks).
 
 #include "engine/run/deferred_accumulation.h"
+#include "engine/run/node_steps.h"
 
 #include <torch/csrc/autograd/function.h>
 
@@ -52,12 +53,6 @@ class AccumulationBatch final : public DeferredAccumulation {
   // imported).
   static bool available();
 
-  // Whether running `fn` runs a hook of any kind. A hook may read any
-  // weight's .grad, which stock has accumulated as soon as its gradient was
-  // ready: the pass flushes the batch before such a node, and never batches
-  // it.
-  static bool has_hooks(torch::autograd::Node& fn);
-
   // Takes over AccumulateGrad `fn`'s work on `grads` if it is an unobserved
   // in-place `.grad += grad`; returns whether it did (the node must then not
   // run).
@@ -65,9 +60,11 @@ class AccumulationBatch final : public DeferredAccumulation {
       torch::autograd::Node& fn,
       const torch::autograd::variable_list& grads) override;
 
-  // Flushes before a node that has hooks (has_hooks).
+  // Flushes before a node that has a hook of any kind (has_any_hooks): a
+  // hook may read any weight's .grad, which stock has accumulated as soon as
+  // its gradient was ready. Such a node is never batched either.
   void before_node(torch::autograd::Node& fn) override {
-    if (has_hooks(fn)) {
+    if (has_any_hooks(fn)) {
       flush();
     }
   }
