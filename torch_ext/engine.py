@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 from torch.autograd import graph as autograd_graph
@@ -77,6 +78,10 @@ class Engine:
         return _STOCK_ENGINE.is_checkpoint_valid()
 
 
+# Called before every backward this process starts through torch_ext (router or direct), when set: an open
+# torch_ext.overlap_microbatches waits there for the backward it has in flight (stock's accumulation order).
+_before_backward: Callable[[], None] | None = None
+
 # The priorities of the torch_ext.backward/grad call this thread is inside and whose engine call has not
 # started yet ([] for none given); None outside such a call.
 _thread = threading.local()
@@ -95,6 +100,8 @@ class _Router:
         self.enabled_depth = 0
 
     def run_backward(self, *args, **kwargs):
+        if _before_backward is not None:
+            _before_backward()
         overrides = getattr(_thread, "overrides", None)
         _thread.overrides = None
         if overrides is None and not self.enabled_depth:
@@ -248,6 +255,8 @@ def backward(
         and torch.autograd.backward is _STOCK_BACKWARD
         and _stock_python_only_forwards((tensors,))
     ):
+        if _before_backward is not None:
+            _before_backward()
         ran = _C.run_backward_implicit(
             tensors,
             create_graph if retain_graph is None else retain_graph,
@@ -298,6 +307,8 @@ def grad(
             and torch.autograd.grad is _STOCK_GRAD
             and _stock_python_only_forwards((outputs, *inputs_tuple))
         ):
+            if _before_backward is not None:
+                _before_backward()
             gradients = _C.run_backward_implicit(
                 outputs,
                 create_graph if retain_graph is None else retain_graph,

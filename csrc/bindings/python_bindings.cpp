@@ -5,6 +5,7 @@
 // torch_ext.Engine can stand in for torch.autograd's execution engine; the
 // request builder (backward_request.h) checks them as stock does.
 
+#include "bindings/python_overlap.h"
 #include "bindings/python_collectives.h"
 #include "bindings/python_engine_info.h"
 #include "bindings/python_request.h"
@@ -498,6 +499,7 @@ PyMODINIT_FUNC PyInit__C() {
       (!torch_ext::init_split_bindings(module) ||
        !torch_ext::init_engine_info_bindings(module) ||
        !torch_ext::init_collective_bindings(module) ||
+       !torch_ext::init_overlap_bindings(module) ||
        !torch_ext::add_trace_names(module))) {
     Py_DECREF(module);
     return nullptr;

@@ -6,6 +6,7 @@
 
 #include "bindings/python_collectives.h"
 #include "bindings/python_request.h"
+#include "engine/collective_progress.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_function.h>
@@ -491,6 +492,9 @@ class PythonOrderCheck final : public CollectiveOrderCheck {
     if (!done_) {
       done_ = true;
       try {
+        // Naming a mismatch exchanges the sequences: part of the check,
+        // which the collective gate lets through (collective_progress.h).
+        const StartingPlannedCollective starting;
         pybind11::gil_scoped_acquire gil;
         THPObjectPtr result(
             PyObject_CallMethod(checker_, "wait", "O", pending_));
@@ -547,6 +551,8 @@ std::shared_ptr<CollectiveOrderCheck> python_begin_collective_check(
     }
     PyList_SET_ITEM(collectives.get(), static_cast<Py_ssize_t>(i), entry);
   }
+  // The exchange starts before any of the call's collectives, on every rank.
+  const StartingPlannedCollective starting;
   PyObject* pending =
       PyObject_CallMethod(collective_checker, "begin", "O", collectives.get());
   if (pending == nullptr) {

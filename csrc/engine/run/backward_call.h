@@ -10,6 +10,7 @@
 // split backward's passes give it (deferred_accumulation.h, KeptNode).
 
 #include "engine/call_options.h"
+#include "engine/collective_progress.h"
 #include "engine/host/host_task.h"
 #include "engine/host_callbacks.h"
 #include "engine/plan/graph_plan.h"
@@ -332,6 +333,10 @@ class BackwardCall final : public HostedRun {
   // (shared with the lanes, which may start the first collective) and before
   // the call returns.
   std::shared_ptr<CollectiveOrderCheck> order_check_;
+  // Where this call reports the collectives it starts, when it runs beside
+  // the next microbatch's forward (collective_progress.h); taken from the
+  // calling thread by the constructor, so a nested call has none.
+  std::shared_ptr<CollectiveProgress> progress_;
   // Whether this thread has seen the ranks agree (the engine thread asks no
   // more after that).
   bool order_check_passed_ = false;

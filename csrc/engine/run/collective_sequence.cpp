@@ -221,8 +221,17 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
     lane_node.inputs = grads;
   }
   std::function<void()> before_apply;
-  if (order_check_ != nullptr) {
-    before_apply = [check = order_check_] { check->await(); };
+  if (order_check_ != nullptr || progress_ != nullptr) {
+    before_apply = [check = order_check_, reports = progress_ != nullptr] {
+      if (reports) {
+        // The lane is this call's and runs its planned collectives only: the
+        // collective gate lets all of them through (collective_progress.h).
+        ++detail::starting_planned_collective;
+      }
+      if (check != nullptr) {
+        check->await();
+      }
+    };
   }
   sequence_->lanes.dispatch(
       group,
@@ -252,6 +261,9 @@ void BackwardCall::finish_lane_node(
             std::move(error),
             fn,
             /*in_lane=*/true));
+  }
+  if (progress_ != nullptr && plan_.slots[index].collective) {
+    progress_->started_one();
   }
   enter_task_state();
   variable_list delivered;

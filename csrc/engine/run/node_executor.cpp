@@ -259,7 +259,9 @@ std::optional<variable_list> BackwardCall::run_node_action(
       NarrowedNeedsInputGrad narrowed(fn, plan_.narrows_needs_input_grad);
       variable_list outputs;
       if (slot.collective || slot.collective_wait) {
+        const bool reports = progress_ != nullptr && slot.collective;
         try {
+          const StartingPlannedCollective starting(reports);
           outputs = call_function(fn, std::move(buffered), keep_graph);
         } catch (...) {
           std::rethrow_exception(
@@ -267,6 +269,9 @@ std::optional<variable_list> BackwardCall::run_node_action(
                   std::current_exception(),
                   fn,
                   /*in_lane=*/false));
+        }
+        if (reports) {
+          progress_->started_one();
         }
       } else {
         outputs = call_function(fn, std::move(buffered), keep_graph);

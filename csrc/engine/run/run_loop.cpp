@@ -70,7 +70,8 @@ BackwardCall::BackwardCall(
       // streams are not the caller's.
       caller_streams_(current_accelerator_streams()),
       has_accelerator_(
-          at::accelerator::getAccelerator(/*checked=*/false).has_value()) {
+          at::accelerator::getAccelerator(/*checked=*/false).has_value()),
+      progress_(take_report_target()) {
   if (!options_.accumulate_grad) {
     captured_.resize(inputs_.size());
   }
@@ -186,6 +187,9 @@ void BackwardCall::run(Node* host_node) {
   // Filling the host's nodes_in_graph makes _will_engine_execute_node and
   // register_multi_grad_hook(mode="all") see the real graph.
   publish_plan_to_host_task(plan_);
+  if (progress_ != nullptr) {
+    progress_->planned(planned_collectives().size());
+  }
   if (batch_ != nullptr) {
     // The first final callback, ahead of any a hook queues during the pass;
     // after an error, when final callbacks do not run, the caller flushes.

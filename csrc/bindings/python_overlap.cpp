@@ -1,0 +1,463 @@
+// The C++ half of torch_ext.overlap_microbatches (torch_ext/microbatches.py):
+// the window in which one microbatch's backward runs on a backward thread
+// while the thread that handed it over (the forward thread) runs the next
+// microbatch's forward.
+//
+// The collective order rule, enforced here for every c10d collective through
+// a kernel at the Autograd key of the c10d operators (the collective gate):
+// on every process group, each rank issues all the collectives backward i's
+// plan starts, then forward i+1's, then backward i+1's. The forward thread's
+// collectives wait until backward i has started every collective its plan
+// holds (engine/collective_progress.h), or until it has finished, when the
+// microbatch saved the RNG state in forward (an activation checkpoint, whose
+// recompute may issue collectives no plan holds). Any other collective
+// started while backward i runs (a hook's, a nested backward's) is refused
+// with an error on every rank alike, before it starts.
+//
+// RNG: a checkpoint's recompute sets the global generator to forward's state
+// and back. The backward thread does so only while the forward thread is
+// parked in one of the window's waits (an RNG section), so the forward's
+// draws never see the recompute's state.
+
+#include "bindings/python_overlap.h"
+#include "engine/collective_progress.h"
+
+#include <ATen/ThreadLocalState.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/utils/python_strings.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace torch_ext {
+namespace {
+
+// How often a parked forward thread looks for Ctrl-C.
+constexpr auto kSignalPollInterval = std::chrono::milliseconds(50);
+
+// One backward handed to the backward thread.
+struct HandedBackward final : CollectiveProgress {
+  HandedBackward(int64_t microbatch, bool forward_waits_for_all)
+      : microbatch(microbatch), forward_waits_for_all(forward_waits_for_all) {}
+
+  void planned(size_t count) override;
+  void started_one() override;
+
+  // Whether the forward thread's collectives may start (under the window's
+  // mutex).
+  bool releases_forward() const {
+    return finished ||
+        (!forward_waits_for_all && planned_count.has_value() &&
+         started >= *planned_count);
+  }
+
+  const int64_t microbatch;
+  // The forward waits for the whole backward, not only its planned
+  // collectives.
+  const bool forward_waits_for_all;
+  std::optional<size_t> planned_count;
+  size_t started = 0;
+  bool finished = false;
+  // Why it failed; empty if it did not.
+  std::string error;
+};
+
+struct Window {
+  std::mutex mutex;
+  std::condition_variable changed;
+  // Read without the mutex by every collective's gate.
+  std::atomic<bool> open{false};
+  std::thread::id forward_thread;
+  std::shared_ptr<HandedBackward> current;
+  // The forward thread is blocked in one of the window's waits.
+  bool forward_parked = false;
+  // The backward-side thread inside an RNG section, if any.
+  std::optional<std::thread::id> rng_section;
+};
+
+Window& window() {
+  // Never destroyed: a gate may run during interpreter shutdown.
+  static Window* instance = new Window();
+  return *instance;
+}
+
+void HandedBackward::planned(size_t count) {
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  planned_count = count;
+  w.changed.notify_all();
+}
+
+void HandedBackward::started_one() {
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  ++started;
+  w.changed.notify_all();
+}
+
+void raise_if_interrupted() {
+  pybind11::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) {
+    throw python_error();
+  }
+}
+
+// Blocks the forward thread, parked, until `done()`, polling Ctrl-C; returns
+// with no RNG section running. The caller holds `lock` and not the GIL.
+void park_forward_until(
+    std::unique_lock<std::mutex>& lock,
+    const std::function<bool()>& done) {
+  Window& w = window();
+  w.forward_parked = true;
+  w.changed.notify_all();
+  try {
+    while (!done() || w.rng_section.has_value()) {
+      if (w.changed.wait_for(lock, kSignalPollInterval) ==
+          std::cv_status::timeout) {
+        lock.unlock();
+        raise_if_interrupted();
+        lock.lock();
+      }
+    }
+  } catch (...) {
+    if (!lock.owns_lock()) {
+      lock.lock();
+    }
+    w.forward_parked = false;
+    throw;
+  }
+  w.forward_parked = false;
+}
+
+// Releases the GIL for a scope if this thread holds it: a gate runs under
+// whatever called the collective.
+class ReleaseGilIfHeld {
+ public:
+  ReleaseGilIfHeld() {
+    if (Py_IsInitialized() && PyGILState_Check() != 0) {
+      release_.emplace();
+    }
+  }
+
+ private:
+  std::optional<pybind11::gil_scoped_release> release_;
+};
+
+void before_collective(const c10::OperatorHandle& op) {
+  Window& w = window();
+  std::unique_lock<std::mutex> lock(w.mutex);
+  const std::shared_ptr<HandedBackward> backward = w.current;
+  if (backward == nullptr) {
+    return;
+  }
+  if (std::this_thread::get_id() == w.forward_thread) {
+    if (!backward->releases_forward()) {
+      lock.unlock();
+      ReleaseGilIfHeld no_gil;
+      lock.lock();
+      park_forward_until(lock, [&] { return backward->releases_forward(); });
+    }
+    TORCH_CHECK(
+        backward->error.empty(),
+        "torch_ext: ",
+        op.schema().name(),
+        " was not started: the backward of microbatch ",
+        backward->microbatch,
+        ", running beside this forward, failed (",
+        backward->error,
+        ")");
+    return;
+  }
+  if (backward->finished || backward->forward_waits_for_all ||
+      starting_planned_collective()) {
+    return;
+  }
+  TORCH_CHECK(
+      false,
+      "torch_ext: ",
+      op.schema().name(),
+      " was started during the backward of microbatch ",
+      backward->microbatch,
+      ", which runs beside the next microbatch's forward, by something the "
+      "engine did not plan (a hook, or a backward nested in a node): it could "
+      "race the forward's collectives on another rank, so it was refused on "
+      "every rank. Run that backward without the overlap (DDP: only the last "
+      "microbatch syncs, so run the others under no_sync()), or make the "
+      "forward wait for the whole backward: "
+      "overlap_microbatches(forward_collectives='after_backward')");
+}
+
+void collective_gate(
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet keys,
+    torch::jit::Stack* stack) {
+  if (window().open.load(std::memory_order_acquire)) {
+    before_collective(op);
+  }
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+// The c10d operators that are not collectives of a group (point-to-point
+// sends and receives pair by peer and tag, not by order; check_for_nan is
+// local).
+bool is_gated(const std::string& name) {
+  return name != "c10d::send" && name != "c10d::recv_" &&
+      name != "c10d::recv_any_source_" && name != "c10d::check_for_nan";
+}
+
+void install_collective_gate() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // Kept for the life of the process: the registrations last as long.
+    auto* library = new torch::Library(
+        torch::Library::IMPL,
+        "c10d",
+        c10::DispatchKey::Autograd,
+        __FILE__,
+        __LINE__);
+    for (const c10::OperatorName& name :
+         c10::Dispatcher::singleton().getAllOpNames()) {
+      if (name.name.rfind("c10d::", 0) != 0 || !is_gated(name.name)) {
+        continue;
+      }
+      // Kept alive by `names`: impl() takes the name as a C string.
+      static std::deque<std::string> names;
+      names.push_back(name.name.substr(6));
+      library->impl(
+          names.back().c_str(),
+          torch::CppFunction::makeFromBoxedFunction<&collective_gate>());
+    }
+  });
+}
+
+std::thread::id forward_thread_checked(const char* api) {
+  Window& w = window();
+  TORCH_CHECK(
+      w.open.load() && std::this_thread::get_id() == w.forward_thread,
+      "torch_ext: ",
+      api,
+      " must be called on the thread that opened the microbatch overlap");
+  return w.forward_thread;
+}
+
+// _overlap_open(): this thread is the forward thread of a new window.
+PyObject* py_overlap_open(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  install_collective_gate();
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  TORCH_CHECK(
+      !w.open.load(),
+      "torch_ext: a microbatch overlap is already open in this process; "
+      "close it (leave its with block, or call close()) before opening "
+      "another");
+  w.forward_thread = std::this_thread::get_id();
+  w.current = nullptr;
+  w.forward_parked = false;
+  w.rng_section.reset();
+  w.open.store(true, std::memory_order_release);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// _overlap_close(): the last backward has finished (the caller waited).
+PyObject* py_overlap_close(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  TORCH_INTERNAL_ASSERT(w.current == nullptr || w.current->finished);
+  w.open.store(false, std::memory_order_release);
+  w.current = nullptr;
+  w.changed.notify_all();
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// _overlap_hand_over(microbatch, forward_waits_for_all): the backward of
+// `microbatch` is about to start on the backward thread; the previous one has
+// finished.
+PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  long long microbatch = 0;
+  int waits_for_all = 0;
+  if (!PyArg_ParseTuple(args, "Lp", &microbatch, &waits_for_all)) {
+    return nullptr;
+  }
+  forward_thread_checked("hand_over");
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  TORCH_INTERNAL_ASSERT(w.current == nullptr || w.current->finished);
+  w.current = std::make_shared<HandedBackward>(microbatch, waits_for_all != 0);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// _overlap_report_next_call(): on the backward thread, just before the
+// handed backward's engine call.
+PyObject* py_overlap_report_next_call(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  TORCH_INTERNAL_ASSERT(w.current != nullptr);
+  report_next_call_to(w.current);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// _overlap_finish(error or None): on the backward thread, when the handed
+// backward returned or raised.
+PyObject* py_overlap_finish(PyObject*, PyObject* error) {
+  HANDLE_TH_ERRORS
+  // A call that never started (it raised before the engine) took no target.
+  take_report_target();
+  std::string message;
+  if (error != Py_None) {
+    message = THPUtils_unpackString(error);
+  }
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  if (w.current != nullptr) {
+    w.current->finished = true;
+    w.current->error = message.empty() && error != Py_None ? "error" : message;
+  }
+  if (w.rng_section == std::this_thread::get_id()) {
+    w.rng_section.reset();
+  }
+  w.changed.notify_all();
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// _overlap_wait(): on the forward thread, parked until the handed backward
+// has finished (Ctrl-C ends the wait).
+PyObject* py_overlap_wait(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  forward_thread_checked("wait");
+  Window& w = window();
+  pybind11::gil_scoped_release no_gil;
+  std::unique_lock<std::mutex> lock(w.mutex);
+  const std::shared_ptr<HandedBackward> backward = w.current;
+  park_forward_until(
+      lock, [&] { return backward == nullptr || backward->finished; });
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// _overlap_enter_rng_section() -> bool: on a backward-side thread about to
+// set the global RNG state; waits until the forward thread is parked. False
+// (nothing to do) outside a window and on the forward thread.
+PyObject* py_overlap_enter_rng_section(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  Window& w = window();
+  if (!w.open.load() || std::this_thread::get_id() == w.forward_thread) {
+    Py_RETURN_FALSE;
+  }
+  bool entered = false;
+  {
+    pybind11::gil_scoped_release no_gil;
+    std::unique_lock<std::mutex> lock(w.mutex);
+    if (w.rng_section != std::this_thread::get_id()) {
+      w.changed.wait(lock, [&] {
+        return !w.open.load() ||
+            (w.forward_parked && !w.rng_section.has_value());
+      });
+      if (w.open.load()) {
+        w.rng_section = std::this_thread::get_id();
+        entered = true;
+      }
+    }
+  }
+  return PyBool_FromLong(entered ? 1 : 0);
+  END_HANDLE_TH_ERRORS
+}
+
+// _overlap_leave_rng_section(): the section's thread restored the state.
+PyObject* py_overlap_leave_rng_section(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  if (w.rng_section == std::this_thread::get_id()) {
+    w.rng_section.reset();
+    w.changed.notify_all();
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+void destroy_thread_state(PyObject* capsule) {
+  delete static_cast<at::ThreadLocalState*>(
+      PyCapsule_GetPointer(capsule, "torch_ext.ThreadLocalState"));
+}
+
+// _capture_thread_state() -> capsule: this thread's PyTorch thread-local
+// state (grad mode, autocast, dispatch keys, saved-tensor hooks, modes), as
+// stock's engine carries it to its device threads.
+PyObject* py_capture_thread_state(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  auto state = std::make_unique<at::ThreadLocalState>();
+  PyObject* capsule = PyCapsule_New(
+      state.get(), "torch_ext.ThreadLocalState", destroy_thread_state);
+  if (capsule != nullptr) {
+    state.release();
+  }
+  return capsule;
+  END_HANDLE_TH_ERRORS
+}
+
+// _run_in_thread_state(capsule, fn) -> fn(): under the captured state.
+PyObject* py_run_in_thread_state(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* capsule = nullptr;
+  PyObject* fn = nullptr;
+  if (!PyArg_ParseTuple(args, "OO", &capsule, &fn)) {
+    return nullptr;
+  }
+  auto* state = static_cast<at::ThreadLocalState*>(
+      PyCapsule_GetPointer(capsule, "torch_ext.ThreadLocalState"));
+  if (state == nullptr) {
+    return nullptr;
+  }
+  const at::ThreadLocalStateGuard guard(*state);
+  return PyObject_CallNoArgs(fn);
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef overlap_methods[] = {
+    {"_overlap_open", py_overlap_open, METH_NOARGS, nullptr},
+    {"_overlap_close", py_overlap_close, METH_NOARGS, nullptr},
+    {"_overlap_hand_over", py_overlap_hand_over, METH_VARARGS, nullptr},
+    {"_overlap_report_next_call",
+     py_overlap_report_next_call,
+     METH_NOARGS,
+     nullptr},
+    {"_overlap_finish", py_overlap_finish, METH_O, nullptr},
+    {"_overlap_wait", py_overlap_wait, METH_NOARGS, nullptr},
+    {"_overlap_enter_rng_section",
+     py_overlap_enter_rng_section,
+     METH_NOARGS,
+     nullptr},
+    {"_overlap_leave_rng_section",
+     py_overlap_leave_rng_section,
+     METH_NOARGS,
+     nullptr},
+    {"_capture_thread_state", py_capture_thread_state, METH_NOARGS, nullptr},
+    {"_run_in_thread_state", py_run_in_thread_state, METH_VARARGS, nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+
+} // namespace
+
+bool init_overlap_bindings(PyObject* module) {
+  return PyModule_AddFunctions(module, overlap_methods) == 0;
+}
+
+} // namespace torch_ext

@@ -1,0 +1,75 @@
+#pragma once
+
+// What a backward run beside the next microbatch's forward tells the thread
+// that handed it over (torch_ext.overlap_microbatches, bindings/
+// python_overlap.cpp): how many collectives its plan starts, and when each
+// has been started. The forward thread's own collectives wait until every
+// one of them has, so on every group each rank issues the backward's
+// collectives first and the forward's after, whatever the timing.
+//
+// Two thread-locals carry it, so the engine's entry points need no new
+// argument: the target the next call made on this thread reports to, and
+// whether this thread is starting a collective such a call planned (the
+// bindings' collective gate lets that one through and refuses the others).
+
+#include <cstddef>
+#include <memory>
+#include <utility>
+
+namespace torch_ext {
+
+class CollectiveProgress {
+ public:
+  virtual ~CollectiveProgress() = default;
+  // The call's plan is made: it starts `count` collectives.
+  virtual void planned(size_t count) = 0;
+  // One of them was started: its apply() returned (on a lane, the
+  // collective itself has finished; on the engine thread, an asynchronous
+  // one is in flight).
+  virtual void started_one() = 0;
+};
+
+namespace detail {
+inline thread_local std::shared_ptr<CollectiveProgress> next_call_reports_to;
+inline thread_local int starting_planned_collective = 0;
+} // namespace detail
+
+// The next torch_ext call made on this thread (a BackwardCall's constructor
+// takes it, so a backward nested inside one of its nodes does not) reports
+// to `progress`.
+inline void report_next_call_to(std::shared_ptr<CollectiveProgress> progress) {
+  detail::next_call_reports_to = std::move(progress);
+}
+
+inline std::shared_ptr<CollectiveProgress> take_report_target() {
+  return std::exchange(detail::next_call_reports_to, nullptr);
+}
+
+// Whether this thread is starting a collective that a reporting call planned
+// (or its collective order check's exchange, which precedes them all).
+inline bool starting_planned_collective() {
+  return detail::starting_planned_collective > 0;
+}
+
+// Marks this thread as starting a planned collective for a scope.
+class StartingPlannedCollective {
+ public:
+  explicit StartingPlannedCollective(bool active = true) : active_(active) {
+    if (active_) {
+      ++detail::starting_planned_collective;
+    }
+  }
+  ~StartingPlannedCollective() {
+    if (active_) {
+      --detail::starting_planned_collective;
+    }
+  }
+  StartingPlannedCollective(const StartingPlannedCollective&) = delete;
+  StartingPlannedCollective& operator=(const StartingPlannedCollective&) =
+      delete;
+
+ private:
+  bool active_;
+};
+
+} // namespace torch_ext

@@ -1,0 +1,382 @@
+"""Overlap across microbatches: microbatch i's backward runs on a backward thread while the caller's thread runs
+microbatch i+1's forward, so the backward's communication hides behind the next forward as well as behind its
+own dense path.
+
+A gradient-accumulation loop changes one line::
+
+    with torch_ext.overlap_microbatches() as overlap:
+        for batch in batches:
+            loss = model(batch) / len(batches)
+            overlap.backward(loss)  # was loss.backward(); returns at once
+    optimizer.step()  # the block's end waited for the last backward
+
+Libraries that call ``loss.backward()`` themselves (a DeepSpeed engine's ``backward``) run it inside
+:meth:`MicrobatchOverlap.deferring`, with the step's last microbatch outside it, so that the library's
+gradient reduction sees finished gradients::
+
+    with torch_ext.overlap_microbatches() as overlap:
+        for i, batch in enumerate(batches):
+            loss = engine(batch)
+            with overlap.deferring(i + 1 < len(batches)):
+                engine.backward(loss)
+            engine.step()
+
+What is guaranteed, against the same loop run sequentially on stock PyTorch, bit for bit:
+
+- Gradients accumulate in stock's order: at most one backward is in flight, and backward i+1 starts only when
+  backward i has finished. Every other backward call made on the caller's thread waits for it too.
+- Each backward runs under the thread-local state its caller had when handing it over (grad mode, autocast,
+  saved-tensor hooks, modes), as stock's engine carries it to its device threads; hooks run on the backward
+  thread, in stock's order within the microbatch.
+- The collective order, on every process group: backward i's planned collectives, then forward i+1's, then
+  backward i+1's, whatever the timing. The forward's collectives (any c10d collective the caller's thread
+  starts) wait until backward i has started every collective the engine planned for it. A collective the engine
+  did not plan (a hook's, a nested backward's) started while backward i runs is refused with an error on every
+  rank, before it starts: DDP's gradient all_reduce belongs in the step's last microbatch, outside the overlap
+  or with ``no_sync()`` around the others.
+- RNG: a microbatch whose forward saved the RNG state (every activation checkpoint does, to replay dropout in its
+  recompute) makes the next forward's collectives wait for the whole backward (the recompute may issue
+  collectives no plan holds), and the backward thread sets the RNG state only while the caller's thread is parked
+  in one of the overlap's waits, so the next forward's draws are stock's.
+- The points where everything has finished: the block's end, :meth:`MicrobatchOverlap.wait`, any
+  ``optimizer.step()`` (a global step pre-hook waits) and any other backward started on the caller's thread.
+  Read ``.grad`` (``clip_grad_norm_``, logging) only after one of them.
+- An error in the backward is raised in the caller at the next of those points (or by the forward's next
+  collective, which is then not started), naming the microbatch; the overlap stays usable.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from torch_ext import engine as _engine
+from torch_ext._loader import _C
+
+_FORWARD_COLLECTIVES = ("after_backward_collectives", "after_backward")
+
+
+class MicrobatchOverlap:
+    """One overlap window; made by :func:`overlap_microbatches`, used as a context manager (or closed with
+    :meth:`close`). One per process at a time, on the thread that opened it."""
+
+    def __init__(self, forward_collectives: str = "after_backward_collectives") -> None:
+        if forward_collectives not in _FORWARD_COLLECTIVES:
+            raise ValueError(
+                f"torch_ext.overlap_microbatches: forward_collectives must be one of {_FORWARD_COLLECTIVES}, "
+                f"not {forward_collectives!r}"
+            )
+        self._forward_waits_for_all = forward_collectives == "after_backward"
+        self._forward_thread: threading.Thread | None = None
+        self._backward_thread: threading.Thread | None = None
+        self._jobs: list[Callable[[], None] | None] = []
+        self._jobs_ready = threading.Condition()
+        self._in_flight: int | None = None  # the microbatch whose backward runs now, until its wait
+        self._error: BaseException | None = None
+        self._microbatch = 0
+        self._saved_rng_state = False
+        self._deferring = 0
+        self._undo_patches: list[Callable[[], None]] = []
+        self._closed = False
+
+    # -- the loop's side --------------------------------------------------------------------------------------
+
+    def backward(
+        self,
+        tensors: torch.Tensor | Sequence[torch.Tensor],
+        grad_tensors: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        *,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        priorities: dict | None = None,
+    ) -> None:
+        """``torch.autograd.backward`` (with :func:`torch_ext.backward`'s ``priorities``), handed to the backward
+        thread: returns once the previous microbatch's backward has finished and this one has started.
+
+        Raises the previous backward's error, if it failed. A call whose roots need no gradient raises stock's
+        error here, at once.
+        """
+        self._check_open("backward")
+        roots = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if any(isinstance(t, torch.Tensor) and not t.requires_grad for t in roots):
+            # Stock's error, now and on this thread.
+            torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
+            return
+        self.wait()
+        microbatch = self._microbatch
+        self._microbatch += 1
+        waits_for_all = self._forward_waits_for_all or self._saved_rng_state
+        self._saved_rng_state = False
+        state = _C._capture_thread_state()
+
+        def run() -> None:
+            with _engine._routed(priorities, "MicrobatchOverlap.backward"):
+                _engine._STOCK_BACKWARD(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
+
+        _C._overlap_hand_over(microbatch, waits_for_all)
+        self._in_flight = microbatch
+        with self._jobs_ready:
+            self._jobs.append(lambda: _C._run_in_thread_state(state, run))
+            self._jobs_ready.notify()
+
+    def wait(self) -> None:
+        """Blocks until the backward in flight, if any, has finished; raises its error if it failed. Ctrl-C ends
+        the wait (the backward itself finishes on its thread)."""
+        self._check_open("wait")
+        if self._in_flight is None:
+            return
+        _C._overlap_wait()
+        self._in_flight = None
+        self._raise_backward_error()
+
+    def deferring(self, enabled: bool = True) -> _Deferring:
+        """A block in which ``loss.backward()`` and ``torch.autograd.backward`` on this thread are
+        :meth:`backward`: handed over, returning at once. For libraries that call backward themselves; with
+        ``enabled=False`` (the step's last microbatch) the block changes nothing."""
+        self._check_open("deferring")
+        return _Deferring(self, enabled)
+
+    def close(self) -> None:
+        """Waits for the last backward, stops the backward thread and ends the window; raises the last backward's
+        error, if any. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._in_flight is not None:
+                _C._overlap_wait()
+                self._in_flight = None
+        finally:
+            self._shut_down()
+        self._raise_backward_error()
+
+    def __enter__(self) -> MicrobatchOverlap:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc is None:
+            self.close()
+            return
+        # Already raising: wait for the backward all the same, so that no thread is left behind, and keep the
+        # caller's exception, with the backward's error, if any, as a note.
+        try:
+            if self._in_flight is not None:
+                _C._overlap_wait()
+                self._in_flight = None
+        finally:
+            self._shut_down()
+        if self._error is not None:
+            exc.add_note(f"and the backward beside it failed: {type(self._error).__name__}: {self._error}")
+            self._error = None
+
+    # -- internals --------------------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        _C._overlap_open()
+        self._forward_thread = threading.current_thread()
+        try:
+            self._install_patches()
+        except BaseException:
+            _C._overlap_close()
+            raise
+        self._backward_thread = threading.Thread(
+            target=self._backward_thread_main, name="torch_ext-microbatch-backward", daemon=True
+        )
+        self._backward_thread.start()
+
+    def _shut_down(self) -> None:
+        self._closed = True
+        with self._jobs_ready:
+            self._jobs.append(None)
+            self._jobs_ready.notify()
+        if self._backward_thread is not None:
+            self._backward_thread.join()
+        for undo in reversed(self._undo_patches):
+            undo()
+        self._undo_patches.clear()
+        _C._overlap_close()
+
+    def _check_open(self, api: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"torch_ext: MicrobatchOverlap.{api}() called after the overlap was closed")
+        if threading.current_thread() is not self._forward_thread:
+            raise RuntimeError(
+                f"torch_ext: MicrobatchOverlap.{api}() must be called on the thread that opened the overlap "
+                f"({self._forward_thread.name if self._forward_thread else None})"
+            )
+
+    def _raise_backward_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _backward_thread_main(self) -> None:
+        while True:
+            with self._jobs_ready:
+                while not self._jobs:
+                    self._jobs_ready.wait()
+                job = self._jobs.pop(0)
+            if job is None:
+                return
+            error: BaseException | None = None
+            try:
+                _C._overlap_report_next_call()
+                job()
+            except BaseException as raised:  # noqa: BLE001 - handed to the caller's thread
+                error = raised
+                raised.add_note(
+                    f"raised by the backward of microbatch {self._in_flight}, on torch_ext's microbatch backward "
+                    "thread (torch_ext.overlap_microbatches)"
+                )
+            finally:
+                del job
+                _rng_section.reset()
+            self._error = error
+            _C._overlap_finish(None if error is None else f"{type(error).__name__}: {error}")
+
+    # -- what runs on other code's calls ----------------------------------------------------------------------
+
+    def _install_patches(self) -> None:
+        """Process-wide patches, each acting only for this overlap's threads, undone by close()."""
+        forward = self._forward_thread
+
+        def patch(module: Any, name: str, replacement: Callable[..., Any]) -> None:
+            original = getattr(module, name)
+            setattr(module, name, replacement(original))
+            self._undo_patches.append(lambda: setattr(module, name, original))
+
+        # A forward that saves the RNG state (activation checkpointing, torch's, Megatron's, DeepSpeed's) may
+        # recompute, with collectives no plan holds: the next forward waits for the whole backward. On a
+        # backward-side thread, reading or setting the state is an RNG section (_RngSections).
+        def sectioned_get_rng_state(original, generator):
+            def get_rng_state(*args, **kwargs):
+                if threading.current_thread() is forward:
+                    self._saved_rng_state = True
+                    return original(*args, **kwargs)
+                return _rng_section.get(generator, original, args, kwargs)
+
+            return get_rng_state
+
+        def sectioned_set_rng_state(original, generator, getter):
+            def set_rng_state(new_state, *args, **kwargs):
+                if threading.current_thread() is forward:
+                    return original(new_state, *args, **kwargs)
+                return _rng_section.set(generator, original, getter, new_state, args, kwargs)
+
+            return set_rng_state
+
+        cpu_get = torch.random.get_rng_state
+        for module in (torch, torch.random):
+            patch(module, "get_rng_state", lambda original: sectioned_get_rng_state(original, "cpu"))
+            patch(module, "set_rng_state", lambda original: sectioned_set_rng_state(original, "cpu", cpu_get))
+        if torch.cuda.is_available():
+            cuda_get = torch.cuda.get_rng_state
+            patch(torch.cuda, "get_rng_state", lambda original: sectioned_get_rng_state(original, "cuda"))
+            patch(torch.cuda, "set_rng_state", lambda original: sectioned_set_rng_state(original, "cuda", cuda_get))
+
+        # Every backward on this thread waits for the one in flight: stock's accumulation order.
+        def before_backward() -> None:
+            if threading.current_thread() is forward and self._in_flight is not None:
+                self.wait()
+
+        previous = _engine._before_backward
+        _engine._before_backward = before_backward
+        self._undo_patches.append(lambda: setattr(_engine, "_before_backward", previous))
+
+        # optimizer.step() reads .grad.
+        handle = register_optimizer_step_pre_hook(lambda *_: before_backward())
+        self._undo_patches.append(handle.remove)
+
+        def deferred_backward(original):
+            def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, *args, **kwargs):
+                if self._deferring and threading.current_thread() is forward:
+                    return self.backward(
+                        tensors, grad_tensors, retain_graph, create_graph, inputs=kwargs.get("inputs")
+                    )
+                return original(tensors, grad_tensors, retain_graph, create_graph, *args, **kwargs)
+
+            return backward
+
+        patch(torch.autograd, "backward", deferred_backward)
+
+
+class _Deferring:
+    __slots__ = ("_enabled", "_overlap")
+
+    def __init__(self, overlap: MicrobatchOverlap, enabled: bool) -> None:
+        self._overlap = overlap
+        self._enabled = bool(enabled)
+
+    def __enter__(self) -> None:
+        if self._enabled:
+            self._overlap._deferring += 1
+
+    def __exit__(self, *exc_info) -> None:
+        if self._enabled:
+            self._overlap._deferring -= 1
+
+
+class _RngSections(threading.local):
+    """A backward-side thread's RNG section: from its first read or set of the RNG state while an overlap runs
+    until it has set every generator it touched back to the state it first found (a checkpoint's recompute under
+    ``fork_rng``: read, set to forward's state, run, set back), while the forward thread is parked. Ends with the
+    backward at the latest."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, torch.Tensor] | None = None
+        self.restored: set[str] = set()
+
+    def _enter(self) -> bool:
+        if self.found is None:
+            if not _C._overlap_enter_rng_section():
+                return False
+            self.found = {}
+            self.restored = set()
+        return True
+
+    def get(self, generator: str, original, args, kwargs) -> torch.Tensor:
+        if not self._enter():
+            return original(*args, **kwargs)
+        state = original(*args, **kwargs)
+        self.found.setdefault(generator, state)
+        return state
+
+    def set(self, generator: str, original, getter, new_state, args, kwargs) -> None:
+        if not self._enter():
+            return original(new_state, *args, **kwargs)
+        if generator not in self.found:
+            self.found[generator] = getter(*args, **kwargs)
+        result = original(new_state, *args, **kwargs)
+        if torch.equal(new_state, self.found[generator]):
+            self.restored.add(generator)
+        else:
+            self.restored.discard(generator)
+        if self.restored == set(self.found):
+            self.reset()
+        return result
+
+    def reset(self) -> None:
+        if self.found is not None:
+            self.found = None
+            _C._overlap_leave_rng_section()
+
+
+_rng_section = _RngSections()
+
+
+def overlap_microbatches(forward_collectives: str = "after_backward_collectives") -> MicrobatchOverlap:
+    """Opens a :class:`MicrobatchOverlap` on this thread: each :meth:`~MicrobatchOverlap.backward` runs on a
+    backward thread while this thread goes on with the next microbatch's forward (see the module's text for what
+    is guaranteed).
+
+    ``forward_collectives``: ``"after_backward_collectives"`` (the default) lets the forward's collectives start
+    once the backward has started every collective the engine planned for it; ``"after_backward"`` makes them
+    wait for the whole backward, for code whose backward issues collectives the engine cannot see.
+    """
+    overlap = MicrobatchOverlap(forward_collectives)
+    overlap._open()
+    return overlap
