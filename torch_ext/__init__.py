@@ -20,6 +20,7 @@ from torch_ext.current_node import current_node_supported as current_node_suppor
 from torch_ext.current_node import is_current_node_supported
 from torch_ext.engine import Engine, backward, disable, enable, grad, is_enabled
 from torch_ext.engine import enabled as enabled
+from torch_ext.microbatches import MicrobatchOverlap, overlap_microbatches
 from torch_ext.order import execution_order
 from torch_ext.priority import (
     LAUNCH_FIRST,
@@ -46,6 +47,7 @@ from torch_ext.verify import VerifyReport
 __all__ = [
     "LAUNCH_FIRST",
     "Engine",
+    "MicrobatchOverlap",
     "SplitState",
     "Trace",
     "VerifyReport",
@@ -68,6 +70,7 @@ __all__ = [
     "kernels",
     "launch_first",
     "ops",
+    "overlap_microbatches",
     "register_collective_backward",
     "run_in_lane",
     "set_auto_collective_priority_enabled",

@@ -58,6 +58,9 @@ from torch_ext import engine as _engine
 from torch_ext._loader import _C
 
 _FORWARD_COLLECTIVES = ("after_backward_collectives", "after_backward")
+# What the collective gate's error says when the forward's collective was not started because the backward
+# beside it had failed (bindings/python_overlap.cpp).
+_FORWARD_STOPPED_BY_BACKWARD = "running beside this forward, failed"
 
 
 class MicrobatchOverlap:
@@ -169,9 +172,14 @@ class MicrobatchOverlap:
                 self._in_flight = None
         finally:
             self._shut_down()
-        if self._error is not None:
-            exc.add_note(f"and the backward beside it failed: {type(self._error).__name__}: {self._error}")
-            self._error = None
+        error, self._error = self._error, None
+        if error is None:
+            return
+        if isinstance(exc, RuntimeError) and _FORWARD_STOPPED_BY_BACKWARD in str(exc):
+            # The forward stopped at a collective because the backward had failed: the backward's error is the
+            # one to see.
+            raise error from exc
+        exc.add_note(f"and the backward beside it failed: {type(error).__name__}: {error}")
 
     # -- internals --------------------------------------------------------------------------------------------
 

@@ -1,0 +1,287 @@
+"""Overlap across microbatches on 2 gloo ranks: each microbatch's backward runs beside the next one's forward
+(``torch_ext.overlap_microbatches``), and after several AdamW steps every loss, gradient and parameter is stock's
+sequential loop's, bit for bit.
+
+The model is a mixture of experts in miniature with the collectives real MoE layers issue: an all_gather of the
+tokens-per-expert counts in forward (as Megatron-core's alltoall dispatcher does), and a dispatch and a combine
+all_to_all through a synchronous autograd Function (Megatron-core's and DeepSpeed's ``_AllToAll``) whose backward
+runs in a lane. Forward i+1 issues its collectives on the same group while backward i's lane issues its own: the
+collective order rule keeps every rank's sequence the same, which the log of collectives checks on both ranks,
+with one rank's backward made late.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import assert_identical, run_ranks
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import torch_ext
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+MICROBATCHES = 4
+DIM = 8
+TOKENS = 6
+
+# (phase, collective, on the forward thread) as each collective returned, on this rank: phase "F" forward, "B"
+# backward.
+COLLECTIVE_LOG: list[tuple[str, str, bool]] = []
+FORWARD_THREAD: list[threading.Thread] = []
+
+
+def _log(phase: str, collective: str) -> None:
+    COLLECTIVE_LOG.append((phase, collective, threading.current_thread() in FORWARD_THREAD))
+
+
+class ExpertAllToAll(torch.autograd.Function):
+    """A synchronous all_to_all in forward and in backward, over ``ctx.group``, as Megatron-core's ``_AllToAll``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.group = dist.group.WORLD
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=ctx.group)
+        _log("F", "all_to_all")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if LATE_RANK and dist.get_rank() == LATE_RANK[0]:
+            time.sleep(0.05)
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        _log("B", "all_to_all")
+        return out
+
+
+LATE_RANK: list[int] = []
+
+
+class MoELayer(nn.Module):
+    """The dense parts (with dropout) optionally checkpointed; the all_to_alls never are (a recompute would issue
+    collectives the engine does not plan, on the engine thread, beside the lane's)."""
+
+    def __init__(self, checkpointed: str | None) -> None:
+        super().__init__()
+        self.pre = nn.Sequential(nn.Linear(DIM, DIM), nn.Dropout(0.25), nn.Tanh())
+        self.expert = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.Tanh(), nn.Linear(2 * DIM, DIM))
+        self.dense = nn.Sequential(nn.Linear(DIM, DIM), nn.Dropout(0.25), nn.Tanh())
+        self.checkpointed = checkpointed
+
+    def _dense(self, part: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed is None:
+            return part(x)
+        return checkpoint(part, x, use_reentrant=self.checkpointed == "reentrant")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self._dense(self.pre, tokens)
+        counts = torch.tensor([h.shape[0]], dtype=torch.int64)
+        gathered = torch.empty(dist.get_world_size(), dtype=torch.int64)
+        dist.all_gather_into_tensor(gathered, counts)
+        _log("F", "all_gather")
+        expert_out = ExpertAllToAll.apply(self.expert(ExpertAllToAll.apply(h)))
+        return expert_out + self._dense(self.dense, h) * gathered.sum().item() / (2 * TOKENS)
+
+
+class Model(nn.Module):
+    def __init__(self, checkpointed: str | None) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[MoELayer(checkpointed) for _ in range(2)])
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(tokens))
+
+
+def _train(rank: int, overlapped: bool, case: str) -> dict:
+    torch.manual_seed(0)  # the same dense weights on both ranks; the data differs
+    model = Model(checkpointed=case if case in ("reentrant", "non_reentrant") else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    hook_log: list[str] = []
+    if case == "hooks":
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                module.register_full_backward_hook(lambda m, gi, go, name=name: hook_log.append(f"module {name}"))
+        for name, parameter in model.named_parameters():
+            parameter.register_post_accumulate_grad_hook(lambda p, name=name: hook_log.append(f"accumulated {name}"))
+    result: dict = {"losses": [], "grads": [], "hooks": []}
+    COLLECTIVE_LOG.clear()
+    for step in range(STEPS):
+        torch.manual_seed(1000 * step + rank)
+        batches = [torch.randn(2 * TOKENS, DIM, requires_grad=case == "reentrant") for _ in range(MICROBATCHES)]
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
+        # Undeclared (the hooks case), the all_to_all's backward is a node the engine does not plan: the forward
+        # waits for the whole backward.
+        rule = "after_backward" if case == "hooks" else "after_backward_collectives"
+        opened = torch_ext.overlap_microbatches(forward_collectives=rule) if overlapped else contextlib.nullcontext()
+        with opened as overlap:
+            for tokens in batches:
+                with autocast:
+                    loss = model(tokens).float().square().mean() / MICROBATCHES
+                result["losses"].append(loss.detach())
+                if overlapped:
+                    overlap.backward(loss)
+                else:
+                    loss.backward()
+        result["grads"].append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad()
+    result["params"] = [p.detach().clone() for p in model.parameters()]
+    result["hooks"] = hook_log
+    result["collectives"] = list(COLLECTIVE_LOG)
+    return result
+
+
+CASES = ("plain", "hooks", "autocast", "reentrant", "non_reentrant")
+
+
+def _run_bits(rank: int) -> dict:
+    FORWARD_THREAD[:] = [threading.current_thread()]
+    torch_ext.run_in_lane(ExpertAllToAll)
+    LATE_RANK[:] = [1]  # rank 1's backward all_to_alls start 50 ms late
+    results = {}
+    for case in CASES:
+        if case == "hooks":
+            # Undeclared, the engine runs stock's order (a lane runs the dense path while it communicates, which
+            # moves hooks): the overlap itself keeps whatever order the engine has, so hooks run in stock's.
+            torch_ext.unregister_collective_backward(ExpertAllToAll)
+        results[case] = {"stock": _train(rank, False, case), "overlap": _train(rank, True, case)}
+        if case == "hooks":
+            torch_ext.run_in_lane(ExpertAllToAll)
+    return results
+
+
+@pytest.fixture(scope="module")
+def bits(tmp_path_factory) -> list[dict]:
+    return run_ranks(_run_bits, tmp_path_factory.mktemp("microbatch_overlap"), timeout_s=240)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_loss_gradient_and_parameter_is_stocks(bits, case):
+    for rank, result in enumerate(bits):
+        stock, overlap = result[case]["stock"], result[case]["overlap"]
+        for what in ("losses", "grads", "params"):
+            assert_identical(overlap[what], stock[what], f"rank {rank} {case} {what}")
+        assert overlap["hooks"] == stock["hooks"], (rank, case)
+
+
+def _expected_order(case: str) -> list[tuple[str, str]]:
+    """Per microbatch: its forward's collectives (all_gather, dispatch, combine per layer), then its backward's
+    two all_to_alls per layer; forward i+1's come after backward i's."""
+    forward = [("F", "all_gather"), ("F", "all_to_all"), ("F", "all_to_all")] * 2
+    backward = [("B", "all_to_all"), ("B", "all_to_all")] * 2
+    return (forward + backward) * MICROBATCHES * STEPS
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_collectives_run_in_one_order_on_every_rank(bits, case):
+    for rank, result in enumerate(bits):
+        stock, overlap = result[case]["stock"]["collectives"], result[case]["overlap"]["collectives"]
+        assert [entry[:2] for entry in stock] == _expected_order(case), (rank, case)
+        # Overlapped: the same collectives in the same order, the backward's off the forward thread.
+        assert [entry[:2] for entry in overlap] == _expected_order(case), (rank, case)
+        assert all(on_forward_thread == (phase == "F") for phase, _, on_forward_thread in overlap), (rank, case)
+
+
+# -- the rule's other side, errors ---------------------------------------------------------------------------
+
+
+def _small_step(model: nn.Module, rank: int, step: int, hook=None, forward_collectives="after_backward_collectives"):
+    """One overlapped step of MICROBATCHES microbatches; ``hook(microbatch)`` runs on the head's output gradient."""
+    torch.manual_seed(1000 * step + rank)
+    batches = [torch.randn(2 * TOKENS, DIM) for _ in range(MICROBATCHES)]
+    with torch_ext.overlap_microbatches(forward_collectives=forward_collectives) as overlap:
+        for microbatch, tokens in enumerate(batches):
+            out = model(tokens)
+            if hook is not None:
+                out.register_hook(lambda grad, microbatch=microbatch: hook(microbatch) or grad)
+            overlap.backward(out.square().mean())
+
+
+def _all_reduce_in_hook(microbatch: int) -> None:
+    dist.all_reduce(torch.ones(1))
+
+
+def _raise_in_hook(microbatch: int) -> None:
+    if microbatch == 1:
+        raise ValueError("a hook failed on microbatch 1")
+
+
+def _run_errors(rank: int) -> dict:
+    FORWARD_THREAD[:] = [threading.current_thread()]
+    torch_ext.run_in_lane(ExpertAllToAll)
+    results = {}
+    torch.manual_seed(0)
+    model = Model(checkpointed=None)
+    for name, hook, rule in (
+        ("unplanned", _all_reduce_in_hook, "after_backward_collectives"),
+        ("unplanned_after_backward", _all_reduce_in_hook, "after_backward"),
+        ("raises", _raise_in_hook, "after_backward_collectives"),
+    ):
+        try:
+            _small_step(model, rank, 0, hook, rule)
+            results[name] = None
+        except Exception as error:  # noqa: BLE001 - compared across ranks
+            results[name] = (type(error).__name__, str(error), getattr(error, "__notes__", []))
+        # The next step works and runs no thread of the failed one.
+        _small_step(model, rank, 1)
+        results[name + "_threads_after"] = sorted(t.name for t in threading.enumerate())
+    model.zero_grad()
+    # Stock's bits after the errors: the same steps sequentially.
+    return results
+
+
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory) -> list[dict]:
+    return run_ranks(_run_errors, tmp_path_factory.mktemp("microbatch_overlap_errors"), timeout_s=180)
+
+
+def test_a_collective_the_engine_did_not_plan_is_refused_on_every_rank(errors):
+    kinds = [result["unplanned"] for result in errors]
+    assert kinds[0] == kinds[1], kinds
+    kind, message, notes = kinds[0]
+    assert kind == "RuntimeError", kinds
+    assert "c10d::allreduce_ was started during the backward of microbatch 0" in message, message
+    assert "forward_collectives='after_backward'" in message
+    assert any("microbatch 0" in note for note in notes), notes
+
+
+def test_waiting_for_the_whole_backward_lets_it_through(errors):
+    assert [result["unplanned_after_backward"] for result in errors] == [None, None]
+
+
+def test_an_error_in_the_backward_surfaces_in_the_caller_naming_its_microbatch(errors):
+    for result in errors:
+        kind, message, notes = result["raises"]
+        assert (kind, message) == ("ValueError", "a hook failed on microbatch 1"), result["raises"]
+        assert any("the backward of microbatch 1" in note for note in notes), notes
+
+
+def test_no_thread_is_left_behind(errors):
+    for result in errors:
+        for name in ("unplanned", "unplanned_after_backward", "raises"):
+            assert "torch_ext-microbatch-backward" not in result[name + "_threads_after"], result
+
+
+# -- single process -------------------------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="forward_collectives must be one of"):
+        torch_ext.overlap_microbatches(forward_collectives="never")
+    with torch_ext.overlap_microbatches() as overlap:
+        with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
+            overlap.backward(torch.ones(2).sum())
+        with pytest.raises(RuntimeError, match="already open"):
+            torch_ext.overlap_microbatches()
+    with pytest.raises(RuntimeError, match="after the overlap was closed"):
+        overlap.backward(torch.ones(2, requires_grad=True).sum())
