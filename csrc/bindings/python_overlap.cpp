@@ -23,6 +23,7 @@
 #include "engine/collective_progress.h"
 
 #include <ATen/ThreadLocalState.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/utils/python_strings.h>
@@ -36,6 +37,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -83,6 +86,9 @@ struct Window {
   bool forward_parked = false;
   // The backward-side thread inside an RNG section, if any.
   std::optional<std::thread::id> rng_section;
+  // The forward thread's observer of every op it dispatches (see
+  // on_forward_op), removed when the window closes.
+  std::optional<at::CallbackHandle> forward_observer;
 };
 
 Window& window() {
@@ -110,6 +116,14 @@ void raise_if_interrupted() {
   if (PyErr_CheckSignals() != 0) {
     throw python_error();
   }
+}
+
+// The c10d operators that are not collectives of a group (point-to-point
+// sends and receives pair by peer and tag, not by order; check_for_nan is
+// local).
+bool is_gated(std::string_view name) {
+  return name != "c10d::send" && name != "c10d::recv_" &&
+      name != "c10d::recv_any_source_" && name != "c10d::check_for_nan";
 }
 
 // Blocks the forward thread, parked, until `done()`, polling Ctrl-C; returns
@@ -153,20 +167,57 @@ class ReleaseGilIfHeld {
   std::optional<pybind11::gil_scoped_release> release_;
 };
 
+// The forward thread waits before its collective until the backward in
+// flight releases it. Returns that backward (null if none).
+std::shared_ptr<HandedBackward> forward_waits_its_turn(
+    std::unique_lock<std::mutex>& lock) {
+  Window& w = window();
+  std::shared_ptr<HandedBackward> backward = w.current;
+  if (backward != nullptr && !backward->releases_forward()) {
+    lock.unlock();
+    ReleaseGilIfHeld no_gil;
+    lock.lock();
+    park_forward_until(lock, [&] { return backward->releases_forward(); });
+  }
+  return backward;
+}
+
+// RecordFunction's start callback on the forward thread, for every op it
+// dispatches: a c10d collective reached with the Autograd key excluded (a
+// functional collective's kernel calls c10d under autograd's fallback) skips
+// the gate's kernel, so the forward thread waits here too. It cannot raise:
+// Ctrl-C re-arms the interrupt for Python to raise once the op returns.
+std::unique_ptr<at::ObserverContext> on_forward_op(const at::RecordFunction& fn) {
+  const char* name = fn.name();
+  if (std::strncmp(name, "c10d::", 6) != 0 || !is_gated(name)) {
+    return nullptr;
+  }
+  Window& w = window();
+  if (!w.open.load(std::memory_order_acquire) ||
+      std::this_thread::get_id() != w.forward_thread) {
+    return nullptr;
+  }
+  try {
+    std::unique_lock<std::mutex> lock(w.mutex);
+    forward_waits_its_turn(lock);
+  } catch (python_error& interrupted) {
+    interrupted.restore();
+    pybind11::gil_scoped_acquire gil;
+    PyErr_Clear();
+    PyErr_SetInterrupt();
+  } catch (...) {
+  }
+  return nullptr;
+}
+
 void before_collective(const c10::OperatorHandle& op) {
   Window& w = window();
   std::unique_lock<std::mutex> lock(w.mutex);
-  const std::shared_ptr<HandedBackward> backward = w.current;
-  if (backward == nullptr) {
+  if (w.current == nullptr) {
     return;
   }
   if (std::this_thread::get_id() == w.forward_thread) {
-    if (!backward->releases_forward()) {
-      lock.unlock();
-      ReleaseGilIfHeld no_gil;
-      lock.lock();
-      park_forward_until(lock, [&] { return backward->releases_forward(); });
-    }
+    const std::shared_ptr<HandedBackward> backward = forward_waits_its_turn(lock);
     TORCH_CHECK(
         backward->error.empty(),
         "torch_ext: ",
@@ -178,6 +229,7 @@ void before_collective(const c10::OperatorHandle& op) {
         ")");
     return;
   }
+  const std::shared_ptr<HandedBackward>& backward = w.current;
   if (backward->finished || backward->forward_waits_for_all ||
       starting_planned_collective()) {
     return;
@@ -205,14 +257,6 @@ void collective_gate(
     before_collective(op);
   }
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
-}
-
-// The c10d operators that are not collectives of a group (point-to-point
-// sends and receives pair by peer and tag, not by order; check_for_nan is
-// local).
-bool is_gated(const std::string& name) {
-  return name != "c10d::send" && name != "c10d::recv_" &&
-      name != "c10d::recv_any_source_" && name != "c10d::check_for_nan";
 }
 
 void install_collective_gate() {
@@ -265,6 +309,9 @@ PyObject* py_overlap_open(PyObject*, PyObject*) {
   w.current = nullptr;
   w.forward_parked = false;
   w.rng_section.reset();
+  w.forward_observer = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(on_forward_op)
+          .scopes({at::RecordScope::FUNCTION}));
   w.open.store(true, std::memory_order_release);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
@@ -276,6 +323,11 @@ PyObject* py_overlap_close(PyObject*, PyObject*) {
   Window& w = window();
   std::lock_guard<std::mutex> lock(w.mutex);
   TORCH_INTERNAL_ASSERT(w.current == nullptr || w.current->finished);
+  if (w.forward_observer.has_value()) {
+    // Thread-local: removed on the forward thread, which closes the window.
+    at::removeCallback(*w.forward_observer);
+    w.forward_observer.reset();
+  }
   w.open.store(false, std::memory_order_release);
   w.current = nullptr;
   w.changed.notify_all();

@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from _harness import assert_identical, run_ranks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -285,3 +286,60 @@ def test_bad_arguments_are_named():
             torch_ext.overlap_microbatches()
     with pytest.raises(RuntimeError, match="after the overlap was closed"):
         overlap.backward(torch.ones(2, requires_grad=True).sum())
+
+
+# -- PyTorch's functional all_to_all -------------------------------------------------------------------------
+
+FUNCOL_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single
+
+
+class FunctionalMoE(nn.Module):
+    """``all_to_all_single_autograd`` (DTensor's and torchtitan's) for dispatch and combine. Its forward reaches
+    c10d from the functional op's kernel, under autograd's fallback (the Autograd key excluded), where only the
+    forward thread's op observer sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Sequential(nn.Linear(DIM, DIM), nn.Dropout(0.25), nn.Tanh())
+        self.expert = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.Tanh(), nn.Linear(2 * DIM, DIM))
+        self.dense = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        group = dist.group.WORLD
+        h = self.pre(tokens)
+        dispatched = funcol.all_to_all_single_autograd(h, None, None, group)
+        returned = funcol.all_to_all_single_autograd(self.expert(dispatched), None, None, group)
+        return self.head(returned + self.dense(h))
+
+
+def _train_functional(rank: int, overlapped: bool) -> dict:
+    torch.manual_seed(0)
+    model = FunctionalMoE()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    result: dict = {"losses": [], "grads": []}
+    for step in range(STEPS):
+        torch.manual_seed(1000 * step + rank)
+        batches = [torch.randn(2 * TOKENS, DIM) for _ in range(MICROBATCHES)]
+        with torch_ext.overlap_microbatches() if overlapped else contextlib.nullcontext() as overlap:
+            for tokens in batches:
+                loss = model(tokens).square().mean() / MICROBATCHES
+                result["losses"].append(loss.detach())
+                overlap.backward(loss) if overlapped else loss.backward()
+        result["grads"].append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad()
+    result["params"] = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+def _run_functional(rank: int) -> dict:
+    torch_ext.run_in_lane(FUNCOL_ALL_TO_ALL)
+    return {"stock": _train_functional(rank, False), "overlap": _train_functional(rank, True)}
+
+
+def test_the_functional_all_to_all_overlaps_with_stock_bits(tmp_path_factory):
+    results = run_ranks(_run_functional, tmp_path_factory.mktemp("microbatch_overlap_funcol"))
+    for rank, result in enumerate(results):
+        for what in ("losses", "grads", "params"):
+            assert_identical(result["overlap"][what], result["stock"][what], f"rank {rank} {what}")
