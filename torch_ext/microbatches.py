@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -157,7 +157,7 @@ class MicrobatchOverlap:
             self._shut_down()
         self._raise_backward_error()
 
-    def __enter__(self) -> MicrobatchOverlap:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
@@ -302,9 +302,7 @@ class MicrobatchOverlap:
         def deferred_backward(original):
             def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, *args, **kwargs):
                 if self._deferring and threading.current_thread() is forward:
-                    return self.backward(
-                        tensors, grad_tensors, retain_graph, create_graph, inputs=kwargs.get("inputs")
-                    )
+                    return self.backward(tensors, grad_tensors, retain_graph, create_graph, inputs=kwargs.get("inputs"))
                 return original(tensors, grad_tensors, retain_graph, create_graph, *args, **kwargs)
 
             return backward

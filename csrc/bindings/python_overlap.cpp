@@ -32,13 +32,13 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -187,7 +187,8 @@ std::shared_ptr<HandedBackward> forward_waits_its_turn(
 // functional collective's kernel calls c10d under autograd's fallback) skips
 // the gate's kernel, so the forward thread waits here too. It cannot raise:
 // Ctrl-C re-arms the interrupt for Python to raise once the op returns.
-std::unique_ptr<at::ObserverContext> on_forward_op(const at::RecordFunction& fn) {
+std::unique_ptr<at::ObserverContext> on_forward_op(
+    const at::RecordFunction& fn) {
   const char* name = fn.name();
   if (std::strncmp(name, "c10d::", 6) != 0 || !is_gated(name)) {
     return nullptr;
@@ -217,7 +218,8 @@ void before_collective(const c10::OperatorHandle& op) {
     return;
   }
   if (std::this_thread::get_id() == w.forward_thread) {
-    const std::shared_ptr<HandedBackward> backward = forward_waits_its_turn(lock);
+    const std::shared_ptr<HandedBackward> backward =
+        forward_waits_its_turn(lock);
     TORCH_CHECK(
         backward->error.empty(),
         "torch_ext: ",
@@ -399,8 +401,9 @@ PyObject* py_overlap_wait(PyObject*, PyObject*) {
   pybind11::gil_scoped_release no_gil;
   std::unique_lock<std::mutex> lock(w.mutex);
   const std::shared_ptr<HandedBackward> backward = w.current;
-  park_forward_until(
-      lock, [&] { return backward == nullptr || backward->finished; });
+  park_forward_until(lock, [&] {
+    return backward == nullptr || backward->finished;
+  });
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -458,7 +461,9 @@ PyObject* py_capture_thread_state(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
   auto state = std::make_unique<at::ThreadLocalState>();
   PyObject* capsule = PyCapsule_New(
-      state.get(), "torch_ext.ThreadLocalState", destroy_thread_state);
+      state.get(),
+      "torch_ext.ThreadLocalState",
+      destroy_thread_state);
   if (capsule != nullptr) {
     state.release();
   }

@@ -273,21 +273,6 @@ def test_no_thread_is_left_behind(errors):
             assert "torch_ext-microbatch-backward" not in result[name + "_threads_after"], result
 
 
-# -- single process -------------------------------------------------------------------------------------------
-
-
-def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="forward_collectives must be one of"):
-        torch_ext.overlap_microbatches(forward_collectives="never")
-    with torch_ext.overlap_microbatches() as overlap:
-        with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
-            overlap.backward(torch.ones(2).sum())
-        with pytest.raises(RuntimeError, match="already open"):
-            torch_ext.overlap_microbatches()
-    with pytest.raises(RuntimeError, match="after the overlap was closed"):
-        overlap.backward(torch.ones(2, requires_grad=True).sum())
-
-
 # -- PyTorch's functional all_to_all -------------------------------------------------------------------------
 
 FUNCOL_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single

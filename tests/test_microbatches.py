@@ -1,0 +1,138 @@
+"""torch_ext.overlap_microbatches in one process: its wait points, deferring(), Ctrl-C and bad input.
+
+The collective order rule and stock's bits under real collectives are in
+tests/distributed/test_microbatch_overlap.py.
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import torch_ext
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _batches() -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    return [torch.randn(4, 8) for _ in range(4)]
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_plain_loop_gives_stocks_bits():
+    stock, overlapped = _model(), _model()
+    torch.manual_seed(2)
+    for x in _batches():
+        stock(x).square().mean().backward()
+    torch.manual_seed(2)
+    with torch_ext.overlap_microbatches() as overlap:
+        for x in _batches():
+            overlap.backward(overlapped(x).square().mean())
+    for a, b in zip(_grads(overlapped), _grads(stock), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_deferring_hands_over_library_backward_calls_and_optimizer_step_waits():
+    stock, overlapped = _model(), _model()
+    torch.manual_seed(2)
+    for x in _batches():
+        stock(x).square().mean().backward()
+    finished: list[int] = []
+    hook = overlapped[0].weight.register_hook(lambda grad: time.sleep(0.05) or finished.append(1) or grad)
+    optimizer = torch.optim.SGD(overlapped.parameters(), lr=0.0)
+    torch.manual_seed(2)
+    with torch_ext.overlap_microbatches() as overlap:
+        batches = _batches()
+        for i, x in enumerate(batches):
+            loss = overlapped(x).square().mean()
+            with overlap.deferring(i + 1 < len(batches)):
+                loss.backward()  # what a library's engine.backward(loss) does
+            if i == 1:
+                assert len(finished) < 2  # handed over: microbatch 1's backward still runs
+                optimizer.step()  # reads .grad: waits for it first
+                assert len(finished) == 2
+    hook.remove()
+    for a, b in zip(_grads(overlapped), _grads(stock), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_any_other_backward_on_the_thread_waits_for_the_one_in_flight():
+    model = _model()
+    order: list[str] = []
+    model[0].weight.register_hook(lambda grad: time.sleep(0.05) or order.append("handed over") or grad)
+    with torch_ext.overlap_microbatches() as overlap:
+        x = torch.randn(4, 8)
+        overlap.backward(model(x).sum())
+        torch.autograd.grad(model(x).sum(), [model[3].weight])
+        order.append("grad() returned")
+    assert order[:2] == ["handed over", "grad() returned"], order
+
+
+def test_ctrl_c_ends_the_wait_and_leaves_no_thread():
+    model = _model()
+    model[0].weight.register_hook(lambda grad: time.sleep(0.5) or grad)
+    threading.Timer(0.1, _thread.interrupt_main).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), torch_ext.overlap_microbatches() as overlap:
+        overlap.backward(model(torch.randn(4, 8)).sum())
+        overlap.wait()
+    # The block's end still joined the backward thread (the backward itself ran to its end).
+    assert time.monotonic() - started < 5
+    assert not any(t.name == "torch_ext-microbatch-backward" for t in threading.enumerate())
+    with torch_ext.overlap_microbatches() as overlap:  # usable again
+        overlap.backward(model(torch.randn(4, 8)).sum())
+
+
+def test_an_error_is_raised_at_the_next_wait_point_naming_its_microbatch():
+    model = _model()
+    calls = []
+
+    def failing(grad):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("boom")
+        return grad
+
+    model[0].weight.register_hook(failing)
+    with pytest.raises(ValueError, match="boom") as raised, torch_ext.overlap_microbatches() as overlap:
+        for _ in range(4):
+            overlap.backward(model(torch.randn(4, 8)).sum())
+    assert any("backward of microbatch 1" in note for note in raised.value.__notes__)
+    assert len(calls) == 2  # no backward was handed over after the failure was seen
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="forward_collectives must be one of"):
+        torch_ext.overlap_microbatches(forward_collectives="never")
+    with torch_ext.overlap_microbatches() as overlap:
+        with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
+            overlap.backward(torch.ones(2).sum())
+        with pytest.raises(RuntimeError, match="already open"):
+            torch_ext.overlap_microbatches()
+        errors = []
+        thread = threading.Thread(target=lambda: errors.append(_try(lambda: overlap.backward(torch.ones(1)))))
+        thread.start()
+        thread.join()
+        assert "must be called on the thread that opened the overlap" in errors[0]
+    with pytest.raises(RuntimeError, match="after the overlap was closed"):
+        overlap.backward(torch.ones(2, requires_grad=True).sum())
+
+
+def _try(fn) -> str:
+    try:
+        fn()
+    except RuntimeError as error:
+        return str(error)
+    return ""
