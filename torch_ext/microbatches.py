@@ -110,18 +110,41 @@ class MicrobatchOverlap:
             # Stock's error, now and on this thread.
             torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
             return
-        self.wait()
-        microbatch = self._microbatch
-        self._microbatch += 1
-        waits_for_all = self._forward_waits_for_all or self._saved_rng_state
-        self._saved_rng_state = False
-        state = _C._capture_thread_state()
 
         def run() -> None:
             with _engine._routed(priorities, "MicrobatchOverlap.backward"):
                 _engine._STOCK_BACKWARD(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
 
-        _C._overlap_hand_over(microbatch, waits_for_all)
+        self._hand_over(run, forward_waits_for_all=self._forward_waits_for_all)
+
+    def run_backward(self, backward: Callable[[], object]) -> None:
+        """Hands ``backward``, any code that runs one backward (a library's ``engine.backward(loss)`` with its
+        bookkeeping, a pipeline stage's ``backward_one_chunk``), to the backward thread, as :meth:`backward` does
+        with one ``torch.autograd.backward`` call. Its first backward call runs on torch_ext's engine.
+
+        The engine plans only that call's collectives, and the rest of ``backward`` may issue others, so the
+        next forward's collectives wait for the whole of it. What ``backward`` returns is dropped; what it
+        raises is raised at the next wait point.
+        """
+        self._check_open("run_backward")
+
+        def run() -> None:
+            with _engine._routed(None, "MicrobatchOverlap.run_backward"):
+                backward()
+
+        self._hand_over(run, forward_waits_for_all=True)
+
+    def _hand_over(self, run: Callable[[], None], forward_waits_for_all: bool) -> None:
+        """Waits for the backward in flight, then starts ``run`` on the backward thread under this thread's
+        thread-local state."""
+        self.wait()
+        microbatch = self._microbatch
+        self._microbatch += 1
+        # A forward that saved the RNG state may recompute, with collectives no plan holds.
+        forward_waits_for_all = forward_waits_for_all or self._saved_rng_state
+        self._saved_rng_state = False
+        state = _C._capture_thread_state()
+        _C._overlap_hand_over(microbatch, forward_waits_for_all)
         self._in_flight = microbatch
         with self._jobs_ready:
             self._jobs.append(lambda: _C._run_in_thread_state(state, run))

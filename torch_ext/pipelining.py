@@ -44,8 +44,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.nn import Parameter
 
 from torch_ext import engine as _engine
-from torch_ext._loader import _C
-from torch_ext.microbatches import MicrobatchOverlap, overlap_microbatches
+from torch_ext.microbatches import overlap_microbatches
 from torch_ext.split import SplitState, backward_input, backward_weight
 
 if TYPE_CHECKING:
@@ -231,7 +230,7 @@ def overlap_f_b(action: _Action, ctx: _PipelineContext) -> None:
             raise
 
     with overlap_microbatches(forward_collectives="after_backward") as overlap:
-        _hand_over(overlap, backward_action.microbatch_index, backward_on_torch_ext)
+        overlap.run_backward(backward_on_torch_ext)
         try:
             output = forward()
         except BaseException as error:
@@ -330,16 +329,3 @@ def _pass_backward_output(stages: dict[int, _PipelineStageBase], action: _Action
         stages[action.stage_index - 1].set_local_bwd_input(
             stage.get_local_bwd_output(action.microbatch_index), action.microbatch_index
         )
-
-
-def _hand_over(overlap: MicrobatchOverlap, microbatch: int, run: Callable[[], None]) -> None:
-    """``overlap.backward`` for a computation that is more than one ``torch.autograd.backward`` call
-    (a stage's ``backward_one_chunk``): the same hand-over to the overlap's backward thread, under
-    this thread's thread-local state, with the forward's collectives waiting for all of it."""
-    overlap.wait()
-    state = _C._capture_thread_state()
-    _C._overlap_hand_over(microbatch, True)
-    overlap._in_flight = microbatch
-    with overlap._jobs_ready:
-        overlap._jobs.append(lambda: _C._run_in_thread_state(state, run))
-        overlap._jobs_ready.notify()
