@@ -10,16 +10,22 @@ A gradient-accumulation loop changes one line::
             overlap.backward(loss)  # was loss.backward(); returns at once
     optimizer.step()  # the block's end waited for the last backward
 
-Libraries that call ``loss.backward()`` themselves (a DeepSpeed engine's ``backward``) run it inside
-:meth:`MicrobatchOverlap.deferring`, with the step's last microbatch outside it, so that the library's
+A library whose backward is more than ``loss.backward()`` (a DeepSpeed engine's ``backward``, with its loss
+scaling and micro-step state) hands its whole backward over with :meth:`MicrobatchOverlap.run_backward`, the
+step's last microbatch staying on the caller's thread after :meth:`MicrobatchOverlap.wait`, so that the library's
 gradient reduction sees finished gradients::
 
     with torch_ext.overlap_microbatches() as overlap:
         for i, batch in enumerate(batches):
             loss = engine(batch)
-            with overlap.deferring(i + 1 < len(batches)):
+            if i + 1 < len(batches):
+                overlap.run_backward(lambda loss=loss: (engine.backward(loss), engine.step()))
+            else:
+                overlap.wait()
                 engine.backward(loss)
-            engine.step()
+                engine.step()
+
+Code that only calls ``loss.backward()`` can run inside :meth:`MicrobatchOverlap.deferring` instead.
 
 What is guaranteed, against the same loop run sequentially on stock PyTorch, bit for bit:
 
