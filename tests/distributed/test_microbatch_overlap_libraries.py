@@ -13,7 +13,9 @@ final parameters must equal stock's sequential loop's bit for bit, on both ranks
   step's microbatches in an overlap, ``engine.backward(loss)`` inside ``overlap.deferring(i + 1 < n)``. That fails
   with DeepSpeed 0.19.8 (an xfail that names why: its ``engine.backward`` undoes its backward state when
   ``loss.backward()`` returns, before the handed-over backward has run); the same loop in an overlap with nothing
-  deferred gives stock's bits.
+  deferred gives stock's bits, and so does ``overlap.run_backward(lambda: (engine.backward(loss), engine.step()))``
+  for each step's first microbatches (the last after ``overlap.wait()`` on the caller's thread): DeepSpeed's whole
+  backward and its micro-step bookkeeping on the backward thread.
 """
 
 from __future__ import annotations
@@ -347,9 +349,12 @@ ENGINE_CONFIG = {
 }
 
 
-def _train_engine(rank: int, overlapped: bool, defer: bool = True) -> dict:
-    """The DeepSpeed loop; overlapped, each step's microbatches run in an overlap, with ``engine.backward`` handed
-    over inside ``overlap.deferring(i + 1 < n)`` (``defer``) or with none handed over (not ``defer``)."""
+def _train_engine(rank: int, overlapped: bool, hand_over: str | None = "deferring") -> dict:
+    """The DeepSpeed loop; overlapped, each step's microbatches run in an overlap, with each microbatch but the
+    step's last handed over: ``engine.backward`` inside ``overlap.deferring(i + 1 < n)`` (``"deferring"``, then
+    ``engine.step()`` on the caller's thread), or ``engine.backward`` and ``engine.step()`` together in
+    ``overlap.run_backward`` (``"run_backward"``), the last after ``overlap.wait()`` on the caller's thread; or
+    nothing handed over (None)."""
     import deepspeed
 
     torch.manual_seed(rank)
@@ -365,16 +370,38 @@ def _train_engine(rank: int, overlapped: bool, defer: bool = True) -> dict:
                 loss = engine(tokens)
                 result["losses"].append(loss.detach())
                 _record_thread(loss, result["threads"])
-                with overlap.deferring(defer and i + 1 < len(batches)) if overlapped else contextlib.nullcontext():
+                last = i + 1 == len(batches)
+                if overlapped and hand_over == "run_backward":
+                    if not last:
+                        # DeepSpeed's backward and its micro-step bookkeeping (micro_steps, read by
+                        # is_gradient_accumulation_boundary() in both) on the backward thread, in order.
+                        overlap.run_backward(lambda loss=loss: (engine.backward(loss), engine.step()))
+                        continue
+                    overlap.wait()
                     engine.backward(loss)
-                if i + 1 == len(batches):
-                    # The boundary's backward ran outside deferring, after the others, and all-reduced the
+                else:
+                    deferred = overlapped and hand_over == "deferring" and not last
+                    with overlap.deferring(deferred) if overlapped else contextlib.nullcontext():
+                        engine.backward(loss)
+                if last:
+                    # The boundary's backward ran on the caller's thread, after the others, and all-reduced the
                     # gradients: what engine.step() applies.
                     result["grads"].append({name: p.grad.clone() for name, p in model.named_parameters()})
                 engine.step()
     result["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
     result["global_steps"] = engine.global_steps
     return result
+
+
+def _describe(error: BaseException) -> str:
+    """The error, its notes, where it was raised and, for one the forward thread re-raised, where its cause was."""
+    notes = "".join(f"\n  note: {note}" for note in getattr(error, "__notes__", []))
+    where = " <- ".join(frame.name for frame in reversed(traceback.extract_tb(error.__traceback__)))
+    cause = error.__cause__
+    if cause is not None:
+        cause_where = " <- ".join(frame.name for frame in reversed(traceback.extract_tb(cause.__traceback__)))
+        notes += f"\n  surfaced on the forward thread as: {type(cause).__name__}: {cause}\n    in: {cause_where}"
+    return f"{type(error).__name__}: {error}{notes}\n  raised in: {where}"
 
 
 def _run_deepspeed_engine(rank: int) -> dict:
@@ -386,18 +413,14 @@ def _run_deepspeed_engine(rank: int) -> dict:
     stock = _train_engine(rank, overlapped=False)
     results = {
         "deferred": {"stock": stock},
-        "not_deferred": {"stock": stock, "overlap": _train_engine(rank, overlapped=True, defer=False)},
+        "run_backward": {"stock": stock},
+        "not_deferred": {"stock": stock, "overlap": _train_engine(rank, overlapped=True, hand_over=None)},
     }
-    try:
-        results["deferred"]["overlap"] = _train_engine(rank, overlapped=True)
-    except Exception as error:  # noqa: BLE001 - reported by the test, with both ranks' messages
-        notes = "".join(f"\n  note: {note}" for note in getattr(error, "__notes__", []))
-        where = " <- ".join(frame.name for frame in reversed(traceback.extract_tb(error.__traceback__)))
-        cause = error.__cause__
-        if cause is not None:
-            cause_where = " <- ".join(frame.name for frame in reversed(traceback.extract_tb(cause.__traceback__)))
-            notes += f"\n  surfaced on the forward thread as: {type(cause).__name__}: {cause}\n    in: {cause_where}"
-        results["deferred"]["overlap_error"] = f"{type(error).__name__}: {error}{notes}\n  raised in: {where}"
+    for case, hand_over in (("run_backward", "run_backward"), ("deferred", "deferring")):
+        try:
+            results[case]["overlap"] = _train_engine(rank, overlapped=True, hand_over=hand_over)
+        except Exception as error:  # noqa: BLE001 - reported by the test, with both ranks' messages
+            results[case]["overlap_error"] = _describe(error)
     return results
 
 
@@ -433,8 +456,10 @@ def test_deepspeed_engine_in_an_overlap_without_deferring_bits_equal_stocks(deep
         "where the engine's output hook (_backward_prologue, registered by engine.forward) raises 'Direct calls to "
         "tensor.backward() are not supported in this configuration ... ZeRO stage 0' for microbatch 0 (a non-ZeRO "
         "optimizer: _support_torch_style_backward is False); the forward thread sees it at microbatch 1's first "
-        "collective (top2gating's all_reduce, not started), the overlap's end raises it. Past that check (tried by hand), microbatches 0-2's gradients are divided by "
-        "gradient_accumulation_steps twice: different bits."
+        "collective (top2gating's all_reduce, not started), the overlap's end raises it. Past that check (tried by "
+        "hand), microbatches 0-2's gradients are divided by gradient_accumulation_steps twice: different bits. "
+        "overlap.run_backward(lambda: (engine.backward(loss), engine.step())) hands the whole engine.backward over "
+        "instead, its state kept for the backward: test_deepspeed_engine_run_backward_bits_equal_stocks."
     ),
 )
 def test_deepspeed_engine_deferred_bits_equal_stocks(deepspeed_engine):
@@ -444,3 +469,18 @@ def test_deepspeed_engine_deferred_bits_equal_stocks(deepspeed_engine):
         assert result["deferred"]["overlap"]["global_steps"] == STEPS
     _check_bits(deepspeed_engine, "deferred")
     _check_handed_over(deepspeed_engine, "deferred", synchronous_last=True)
+
+
+@NEEDS_DEEPSPEED
+def test_deepspeed_engine_run_backward_bits_equal_stocks(deepspeed_engine):
+    """engine.backward(loss) and engine.step() handed over together with overlap.run_backward for each step's
+    first microbatches, the last after overlap.wait() on the caller's thread: stock's bits, three optimizer
+    steps. The engine state both threads touch is only the throughput timer (tput_timer): the next forward's
+    start() may come before the handed-over step()'s stop(), which then ends it, so the samples/sec figures are
+    off; micro_steps and the boundary are read and written on one thread at a time."""
+    errors = [result["run_backward"].get("overlap_error") for result in deepspeed_engine]
+    assert errors == [None, None], "\n".join(f"rank {rank}: {error}" for rank, error in enumerate(errors))
+    for result in deepspeed_engine:
+        assert result["run_backward"]["overlap"]["global_steps"] == STEPS
+    _check_bits(deepspeed_engine, "run_backward")
+    _check_handed_over(deepspeed_engine, "run_backward", synchronous_last=True)
