@@ -152,8 +152,16 @@ class MicrobatchOverlap:
         state = _C._capture_thread_state()
         _C._overlap_hand_over(microbatch, forward_waits_for_all)
         self._in_flight = microbatch
+
+        def job() -> None:
+            _handed.backward = (microbatch, forward_waits_for_all)
+            try:
+                _C._run_in_thread_state(state, run)
+            finally:
+                _handed.backward = None
+
         with self._jobs_ready:
-            self._jobs.append(lambda: _C._run_in_thread_state(state, run))
+            self._jobs.append(job)
             self._jobs_ready.notify()
 
     def wait(self) -> None:
@@ -401,6 +409,15 @@ class _RngSections(threading.local):
 
 
 _rng_section = _RngSections()
+
+# The backward thread's handed backward: (microbatch, whether the next forward's collectives wait for all of it).
+_handed = threading.local()
+
+
+def handed_backward() -> tuple[int, bool] | None:
+    """The backward this thread runs for an overlap, as ``(microbatch, forward waits for all of it)``; None on any
+    other thread (the collective order check compares it across ranks)."""
+    return getattr(_handed, "backward", None)
 
 
 def overlap_microbatches(forward_collectives: str = "after_backward_collectives") -> MicrobatchOverlap:

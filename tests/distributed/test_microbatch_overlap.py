@@ -236,8 +236,24 @@ def _run_errors(rank: int) -> dict:
         # The next step works and runs no thread of the failed one.
         _small_step(model, rank, 1)
         results[name + "_threads_after"] = sorted(t.name for t in threading.enumerate())
-    model.zero_grad()
-    # Stock's bits after the errors: the same steps sequentially.
+    # The order check covers the overlap: rank 0's forward of microbatch 1 saves the RNG state (as a checkpoint
+    # would on that rank only), so its backward makes the next forward's collectives wait for all of it, and
+    # rank 1's does not. Both ranks raise before backward 1 starts a collective.
+    torch_ext.check_collective_order()
+    try:
+        torch.manual_seed(rank)
+        with torch_ext.overlap_microbatches() as overlap:
+            for microbatch in range(MICROBATCHES):
+                out = model(torch.randn(2 * TOKENS, DIM))
+                if microbatch == 1 and rank == 0:
+                    torch.get_rng_state()
+                overlap.backward(out.square().mean())
+        results["rule_mismatch"] = None
+    except RuntimeError as error:
+        results["rule_mismatch"] = str(error)
+    finally:
+        torch_ext.check_collective_order(False)
+    _small_step(model, rank, 2)
     return results
 
 
@@ -265,6 +281,14 @@ def test_an_error_in_the_backward_surfaces_in_the_caller_naming_its_microbatch(e
         kind, message, notes = result["raises"]
         assert (kind, message) == ("ValueError", "a hook failed on microbatch 1"), result["raises"]
         assert any("the backward of microbatch 1" in note for note in notes), notes
+
+
+def test_the_order_check_covers_the_overlap_rule(errors):
+    messages = [result["rule_mismatch"] for result in errors]
+    assert messages[0] == messages[1], messages
+    assert "disagree on the microbatch overlap" in messages[0], messages[0]
+    assert "rank 0: the backward of microbatch 1, the next forward's collectives waiting for the whole" in messages[0]
+    assert "rank 1: the backward of microbatch 1, the next forward's collectives waiting for its planned" in messages[0]
 
 
 def test_no_thread_is_left_behind(errors):

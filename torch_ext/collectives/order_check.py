@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_ext import microbatches as _microbatches
 from torch_ext._api import deprecated
 from torch_ext._loader import _C, switch_on
 
@@ -118,6 +119,8 @@ class _Exchange:
     digests: torch.Tensor
     gathered: list[torch.Tensor]
     work: Any
+    # The overlapped backward's (microbatch, forward's rule), None outside torch_ext.overlap_microbatches.
+    overlap: tuple | None
     # The first wait's outcome: None while not waited on, "" when the ranks agree, else the mismatch.
     outcome: str | None = None
 
@@ -155,13 +158,19 @@ class _Checker:
         """Starts comparing one call's collective sequence, ``(node, sequence_nr, expected gradients)`` in the
         order the call will start them, with the other ranks'; returns what ``wait`` takes."""
         fingerprints = _with_identities_per_group(collectives)
+        # A backward that runs beside the next forward (torch_ext.overlap_microbatches): the ranks must also agree
+        # on which microbatch it is and on the rule for the forward's collectives, or the two threads' collectives
+        # would interleave differently by rank.
+        overlap = _microbatches.handed_backward()
         group = self._check_group()
         ranks = dist.get_process_group_ranks(group)
-        digests = torch.tensor([_digest(_shared_with(fingerprints, rank)) for rank in ranks], dtype=torch.int64)
+        digests = torch.tensor(
+            [_digest((overlap, _shared_with(fingerprints, rank))) for rank in ranks], dtype=torch.int64
+        )
         gathered = [torch.empty_like(digests) for _ in ranks]
         work = dist.all_gather(gathered, digests, group=group, async_op=True)
         self.exchanges += 1
-        return _Exchange(group, fingerprints, digests, gathered, work)
+        return _Exchange(group, fingerprints, digests, gathered, work, overlap)
 
     def wait(self, exchange: _Exchange) -> None:
         """Raises the mismatch ``begin``'s exchange found, the same message on every rank. The engine calls it for
@@ -184,8 +193,12 @@ class _Checker:
     @staticmethod
     def _name_mismatch(exchange: _Exchange) -> str:
         gathered: list = [None] * len(exchange.gathered)
-        dist.all_gather_object(gathered, exchange.fingerprints, group=exchange.group)
+        dist.all_gather_object(gathered, (exchange.overlap, exchange.fingerprints), group=exchange.group)
         ranks = dist.get_process_group_ranks(exchange.group)
+        overlaps = [overlap for overlap, _ in gathered]
+        gathered = [fingerprints for _, fingerprints in gathered]
+        if len(set(overlaps)) > 1:
+            return _overlap_mismatch_message(ranks, overlaps)
         for i, rank in enumerate(ranks):
             for j in range(i + 1, len(ranks)):
                 mine, theirs = _shared_with(gathered[i], ranks[j]), _shared_with(gathered[j], rank)
@@ -222,6 +235,23 @@ def _mismatch_message(pair: tuple[int, int], sequences: tuple[list, list], share
     lines.append(
         "Issued, these would hang or mix up data. A graph or a priority that differs by rank (data-dependent "
         "routing, set_priority called on one rank) reorders them."
+    )
+    return "\n".join(lines)
+
+
+def _overlap_mismatch_message(ranks: list[int], overlaps: list[tuple | None]) -> str:
+    def describe(overlap: tuple | None) -> str:
+        if overlap is None:
+            return "a backward not run beside a forward"
+        microbatch, waits_for_all = overlap
+        rule = "the whole backward" if waits_for_all else "its planned collectives"
+        return f"the backward of microbatch {microbatch}, the next forward's collectives waiting for {rule}"
+
+    lines = ["torch_ext: the ranks disagree on the microbatch overlap of this backward (collective order check):"]
+    lines += [f"  rank {rank}: {describe(overlap)}" for rank, overlap in zip(ranks, overlaps, strict=True)]
+    lines.append(
+        "The two threads' collectives would interleave differently by rank. A forward saves the RNG state (an "
+        "activation checkpoint) on some ranks only, or a rank overlaps microbatches another does not."
     )
     return "\n".join(lines)
 
