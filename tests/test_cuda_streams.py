@@ -587,3 +587,26 @@ def test_lane_node_runs_on_a_side_stream_and_its_readers_wait_for_it():
     assert_identical(actual, expected, "x.grad, w.grad")
     stock_stream, lane_stream = _side_stream_exchange_streams
     assert lane_stream != stock_stream
+
+
+# ---------------------------------------------------------------- overlap across microbatches
+
+
+def test_an_overlapped_backward_leaves_grad_ready_on_the_callers_stream():
+    """The backward thread takes the caller's current stream: the end of backward makes it wait for the leaf
+    stream, as stock's does for a backward called on that stream."""
+    op_stream, caller_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    scale = float(next(_scales))
+    log: list = []
+    x = torch.randn(5, 5, device="cuda", requires_grad=True)
+    op_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(op_stream):
+        out = DelayedMultiply.apply(x, 2.0, log)
+    caller_stream.wait_stream(op_stream)
+    with torch.cuda.stream(caller_stream), torch_ext.overlap_microbatches() as overlap:
+        overlap.backward(out, full(scale, out))
+        overlap.wait()
+        grad_on_caller = x.grad.clone()
+    torch.cuda.synchronize()
+    assert log == [(op_stream, op_stream)]
+    assert torch.equal(grad_on_caller, torch.full((5, 5), 2 * scale, device="cuda"))

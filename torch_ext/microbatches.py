@@ -150,11 +150,17 @@ class MicrobatchOverlap:
         forward_waits_for_all = forward_waits_for_all or self._saved_rng_state
         self._saved_rng_state = False
         state = _C._capture_thread_state()
+        stream = _current_accelerator_stream()
         _C._overlap_hand_over(microbatch, forward_waits_for_all)
         self._in_flight = microbatch
 
         def job() -> None:
             _handed.backward = (microbatch, forward_waits_for_all)
+            if stream is not None:
+                # Streams are not part of the thread-local state: the caller's current stream becomes the
+                # backward thread's, so that backward ends by making it wait for the leaf streams (stock's rule:
+                # .grad is ready on the caller's current stream).
+                torch.accelerator.set_stream(stream)
             try:
                 _C._run_in_thread_state(state, run)
             finally:
@@ -409,6 +415,14 @@ class _RngSections(threading.local):
 
 
 _rng_section = _RngSections()
+
+
+def _current_accelerator_stream() -> torch.Stream | None:
+    """The caller's current stream on its current accelerator device, or None without one."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.accelerator.current_stream(torch.accelerator.current_device_index())
+
 
 # The backward thread's handed backward: (microbatch, whether the next forward's collectives wait for all of it).
 _handed = threading.local()
