@@ -192,12 +192,7 @@ class MicrobatchOverlap:
         error, if any. Idempotent."""
         if self._closed:
             return
-        try:
-            if self._in_flight is not None:
-                _C._overlap_wait()
-                self._in_flight = None
-        finally:
-            self._shut_down()
+        self._wait_and_shut_down()
         self._raise_backward_error()
 
     def __enter__(self) -> Self:
@@ -209,12 +204,7 @@ class MicrobatchOverlap:
             return
         # Already raising: wait for the backward all the same, so that no thread is left behind, and keep the
         # caller's exception, with the backward's error, if any, as a note.
-        try:
-            if self._in_flight is not None:
-                _C._overlap_wait()
-                self._in_flight = None
-        finally:
-            self._shut_down()
+        self._wait_and_shut_down()
         error, self._error = self._error, None
         if error is None:
             return
@@ -238,6 +228,14 @@ class MicrobatchOverlap:
             target=self._backward_thread_main, name="torch_ext-microbatch-backward", daemon=True
         )
         self._backward_thread.start()
+
+    def _wait_and_shut_down(self) -> None:
+        try:
+            if self._in_flight is not None:
+                _C._overlap_wait()
+                self._in_flight = None
+        finally:
+            self._shut_down()
 
     def _shut_down(self) -> None:
         self._closed = True
