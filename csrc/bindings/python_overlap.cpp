@@ -201,10 +201,9 @@ std::unique_ptr<at::ObserverContext> on_forward_op(
   try {
     std::unique_lock<std::mutex> lock(w.mutex);
     forward_waits_its_turn(lock);
-  } catch (python_error& interrupted) {
-    interrupted.restore();
-    pybind11::gil_scoped_acquire gil;
-    PyErr_Clear();
+  } catch (python_error&) {
+    // Python's handler raised (KeyboardInterrupt): the collective goes on,
+    // and Python raises it again once the op returns. Needs no GIL.
     PyErr_SetInterrupt();
   } catch (...) {
   }
