@@ -43,6 +43,7 @@ BENCHMARK_NAMES = (
     "overlap",
     "recsys_torchrec",
     "moe_sync",
+    "microbatch_overlap",
     "kernels",
 )
 # Extra outputs a benchmark writes into the results folder: (option, file name).

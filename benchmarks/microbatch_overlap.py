@@ -1,0 +1,604 @@
+"""Overlap across microbatches (``torch_ext.overlap_microbatches``) on a synchronous MoE all_to_all: step time,
+exposed communication and the activations held, against the stock loop and the lane alone.
+
+A training step here is gradient accumulation over N_MICROBATCHES microbatches of an expert-parallel layer and
+one SGD step, on 2 ranks as 2 hosts on the shaped link (``_hosts.run_on_two_hosts``). A microbatch's forward: a
+dense pre-path (a projection and Linear + ReLU layers over its tokens), the dispatch all_to_all, the expert, the
+combine all_to_all, and a dense path after it (Linear + ReLU layers from the pre-path's output, beside the
+expert's branch, as a shared expert is). The all_to_all is the library's synchronous ``_AllToAll``:
+Megatron-core's, or DeepSpeed's where only it is installed. Its backward runs the gradient's all_to_all inside
+its node, so a microbatch carries four all_to_alls, two in forward and two in backward. Variants:
+
+  compute  the stock loop with the all_to_alls replaced by the identity: the communication-free reference
+  stock    the stock loop, ``loss.backward()`` per microbatch on PyTorch's engine: every all_to_all exposed
+  lane     torch_ext's engine with ``torch_ext.run_in_lane(_AllToAll)``, the same sequential loop: the backward's
+           all_to_alls hide behind the dense path after (its backward runs beside them); the forward's cannot
+  overlap  the lane and ``torch_ext.overlap_microbatches()``: microbatch i's backward runs on the backward thread
+           while the caller runs microbatch i+1's forward, so each phase's all_to_alls hide behind the other
+           phase's compute (the forward's all_to_alls start once the backward's have started)
+
+T_comm is how long stock waits for one microbatch's four all_to_alls (forward and backward) with no dense layer
+(``_common.calibrate_t_comm`` over that microbatch: its blocked time, the median of 15 steps). The dense layers'
+backward per microbatch is swept over multiples of T_comm (--ratios), split between the pre-path and the path
+after; their forward adds about half as much. (No efficiency against T_comm: a step's exposed communication
+measured as below read 1.2-1.6 x N_MICROBATCHES x T_comm for stock, which is blocked time alone; the fraction of
+stock's exposed at the same point is the comparison.)
+
+Per point and repetition (the variants alternating, every metric the slower rank's): step time (zero_grad, the
+microbatches, the SGD step); exposed communication = the step - the same repetition's ``compute`` step. For
+stock and the lane, the exposure of each phase: the sum of the microbatches' forward (backward) times -
+compute's. The overlap's phases run at once, so it has the total only. Reported as medians, and the exposed
+communication as a fraction of stock's at the same point.
+
+What bounds the overlap here (traced on this machine). Microbatch 0's forward all_to_alls have no backward beside
+them, and the last backward's dispatch gradient has nothing after it: 3 of the step's 16 all_to_alls, a floor of
+~0.19 of stock's exposed. Below a ratio of ~0.8 a microbatch's all_to_alls, one after another (combine's gradient,
+the expert's backward, dispatch's gradient beside the next forward's dispatch, its expert, its combine), outlast
+the compute beside them. Above it the overlap is compute-bound: at 21 layers each backward beside the next
+forward took 108-145 ms, a microbatch's sequential forward and backward 113 ms. But on these 2 cores two compute
+threads per rank cost more than one: a compute-only overlap step (the all_to_alls the identity) took 1.01-1.14 x
+the sequential compute step, and an all_to_all beside one busy thread per rank took 8.6-14 ms instead of 5.6 (20 ms
+beside a thread running Python, which holds the GIL).
+
+Peak memory: there are no allocator statistics on CPU, so one untimed step per variant counts the activations
+held at once: a saved-tensors pack hook tallies the bytes of every distinct storage autograd saved (parameters and
+the microbatches' inputs left out), each until the last saved reference to it is freed; the peak of that sum
+over the step, against stock's, whose peak is one microbatch's graph (the overlap holds one more at most: the
+next forward's, beside the backward in flight). Before timing, one step of each engine variant must give
+torch.equal gradients to stock's.
+
+    python benchmarks/microbatch_overlap.py [--quick] [--reps N] [--ratios 0.5,1,2] [--network ...] [--out CSV]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.util
+import statistics
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from _common import (
+    CALIBRATION_S,
+    Summary,
+    SummaryRow,
+    SweepConfig,
+    calibrate_t_comm,
+    csv_cases,
+    csv_row,
+    dense_layer_backward_s,
+    git_sha,
+    load_note,
+    merge_ranks,
+    parse_sweep_args,
+    print_load,
+    run_sweep,
+    summarize,
+    sweep_case,
+    sweep_cases,
+    sweep_config,
+    sweep_depth,
+    sweep_parser,
+    timed_blocking,
+    timed_repetitions,
+    write_csv,
+)
+from _hosts import agreed_max
+from torch import nn
+
+import torch_ext
+
+NAME = "microbatch_overlap"
+WORLD_SIZE = 2
+N_MICROBATCHES = 4
+# Tokens each rank sends each expert per microbatch, and their width: 512 x 256 floats = 0.5 MiB to the other
+# rank per all_to_all, four all_to_alls a microbatch.
+CAPACITY = 512
+DIM = 256
+# Tokens of a microbatch on a rank (every dense layer reads them all).
+ROWS = WORLD_SIZE * CAPACITY
+MAX_DENSE_LAYERS = 64
+ENGINE_VARIANTS = ("stock", "lane", "overlap")
+TIMED_VARIANTS = ("compute", *ENGINE_VARIANTS)
+# The variants whose forward and backward run one after the other, so that each phase has its own time.
+PHASED_VARIANTS = ("compute", "stock", "lane")
+LIBRARY_NAMES = {"megatron": "Megatron-core", "deepspeed": "DeepSpeed"}
+# The aims the summary measures against (the issue's): at the sweep's mean, the overlap's exposed communication
+# at most this fraction of stock's, and its step at most this fraction of stock's.
+AIM_EXPOSED_FRACTION = 0.30
+AIM_STEP_RATIO = 0.80
+
+
+def installed_library() -> str | None:
+    """Megatron-core if installed, else DeepSpeed, else None: one library is enough here."""
+    for library, module in (("megatron", "megatron.core"), ("deepspeed", "deepspeed.moe")):
+        if importlib.util.find_spec(library) is not None and importlib.util.find_spec(module) is not None:
+            return library
+    return None
+
+
+def library_all_to_all(library: str) -> tuple[Callable, type]:
+    """``all_to_all(group, tokens)`` through the library's ``_AllToAll``, and that Function class."""
+    if library == "megatron":
+        from megatron.core.tensor_parallel.mappings import _AllToAll, all_to_all
+
+        return all_to_all, _AllToAll
+    import deepspeed.comm
+    from deepspeed.moe.sharded_moe import _AllToAll
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    return _AllToAll.apply, _AllToAll
+
+
+def _identity(group, tokens: torch.Tensor) -> torch.Tensor:
+    return tokens
+
+
+def _dense(layers: int) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU()) for _ in range(layers)])
+
+
+class MoELayer(nn.Module):
+    """One microbatch's layer: the pre-path (a projection, then ``pre_layers`` dense layers), dispatch, expert,
+    combine, and ``post_layers`` dense layers from the pre-path's output after it. With no dense layer, the
+    all_to_alls have nothing to hide behind (T_comm's calibration)."""
+
+    def __init__(self, all_to_all: Callable, pre_layers: int, post_layers: int) -> None:
+        super().__init__()
+        self.all_to_all = all_to_all
+        # The projection makes the dispatched tokens need a gradient: the dispatch's backward all_to_all runs.
+        self.pre = nn.Sequential(nn.Linear(DIM, DIM), _dense(pre_layers))
+        self.expert = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+        self.gate = nn.Linear(DIM, 1)
+        self.head = nn.Linear(DIM, 1)
+        self.post = _dense(post_layers)
+
+    def forward(self, tokens: torch.Tensor, communicate: bool = True) -> torch.Tensor:
+        all_to_all = self.all_to_all if communicate else _identity
+        group = dist.group.WORLD
+        hidden = self.pre(tokens)
+        returned = all_to_all(group, self.expert(all_to_all(group, hidden)))
+        loss = self.head(returned * torch.sigmoid(self.gate(hidden))).sum()
+        if self.post:
+            loss = loss + self.post(hidden).sum()
+        return loss / N_MICROBATCHES
+
+
+@contextlib.contextmanager
+def variant_engine(variant: str, function: type):
+    """The engine and declaration of ``variant``; the _AllToAll is back to undeclared afterwards."""
+    if variant in ("stock", "compute"):
+        yield
+        return
+    torch_ext.run_in_lane(function)
+    try:
+        with torch_ext.enable():
+            yield
+    finally:
+        torch_ext.unregister_collective_backward(function)
+
+
+def _accumulate(model: MoELayer, batches: Sequence[torch.Tensor], variant: str) -> tuple[float, float]:
+    """The microbatches' forwards and backwards, gradients accumulated, under the variant's engine (entered by the
+    caller); (forward seconds, backward seconds) summed over the microbatches, both 0 for the overlap."""
+    communicate = variant != "compute"
+    if variant == "overlap":
+        with torch_ext.overlap_microbatches() as overlap:
+            for tokens in batches:
+                overlap.backward(model(tokens, communicate))
+        return 0.0, 0.0
+    forward_s = backward_s = 0.0
+    for tokens in batches:
+        start = time.perf_counter()
+        loss = model(tokens, communicate)
+        middle = time.perf_counter()
+        loss.backward()
+        forward_s += middle - start
+        backward_s += time.perf_counter() - middle
+    return forward_s, backward_s
+
+
+def _step(model: MoELayer, optimizer, batches, variant: str, function: type) -> dict[str, float]:
+    """Seconds of a step (``step_s``: zero_grad, the microbatches, the SGD step), and for the phased variants of
+    its forwards (``forward_s``) and backwards (``backward_s``), the ranks started together, Python's GC off."""
+    dist.barrier()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with variant_engine(variant, function):
+            forward_s, backward_s = _accumulate(model, batches, variant)
+        optimizer.step()
+        step_s = time.perf_counter() - start
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    if variant not in PHASED_VARIANTS:
+        return {"step_s": step_s}
+    return {"step_s": step_s, "forward_s": forward_s, "backward_s": backward_s}
+
+
+def _check_bits_and_memory(model: MoELayer, batches, function: type, rank: int, library: str) -> dict[str, dict]:
+    """One step of each engine variant (no optimizer step), its activations counted (``_saved_peak``): its
+    accumulated gradients must be torch.equal to stock's. Returns each variant's ``_saved_peak``."""
+    grads, memory = {}, {}
+    for variant in ENGINE_VARIANTS:
+        memory[variant] = _saved_peak(model, batches, variant, function)
+        grads[variant] = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    for variant in ENGINE_VARIANTS[1:]:
+        if not all(torch.equal(a, b) for a, b in zip(grads["stock"], grads[variant], strict=True)):
+            raise AssertionError(f"rank {rank}, {library}: {variant}'s gradients differ from stock's")
+    return memory
+
+
+class _Saved:
+    """What the pack hook returns for a counted tensor; its finalizer uncounts it."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class SavedBytes:
+    """Bytes of the distinct storages autograd holds saved at once, and their peak: a saved-tensors pack hook counts
+    a storage at its first saved reference and uncounts it when its last one is freed (the backward releases a
+    node's saved tensors as it runs it). Storages in ``excluded`` (parameters, inputs) are not counted. The hooks
+    run on the forward thread and the release on whichever runs the backward: a lock."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self._excluded = excluded
+        self._lock = threading.Lock()
+        self._live: dict[int, list[int]] = {}  # storage address -> [saved references, bytes]
+        self.total = 0
+        self.peak = 0
+
+    def pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        address, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or address in self._excluded:
+            return tensor
+        with self._lock:
+            entry = self._live.get(address)
+            if entry is None:
+                self._live[address] = [1, size]
+                self.total += size
+                self.peak = max(self.peak, self.total)
+            else:
+                entry[0] += 1
+        saved = _Saved(tensor)
+        weakref.finalize(saved, self._release, address)
+        return saved
+
+    @staticmethod
+    def unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, address: int) -> None:
+        with self._lock:
+            entry = self._live[address]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._live[address]
+                self.total -= entry[1]
+
+
+def _saved_peak(model: MoELayer, batches, variant: str, function: type) -> dict[str, float]:
+    """One untimed step of ``variant`` (no optimizer step, the gradients left in ``.grad``) under a ``SavedBytes``
+    pack hook: the peak bytes of activations held at once, and (the phased variants) the most one microbatch's
+    forward saved."""
+    excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *batches)}
+    counter = SavedBytes(excluded)
+    model.zero_grad(set_to_none=True)
+    one_microbatch = 0
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), variant_engine(variant, function):
+        if variant == "overlap":
+            _accumulate(model, batches, variant)
+        else:
+            for tokens in batches:
+                loss = model(tokens, variant != "compute")
+                one_microbatch = max(one_microbatch, counter.total)
+                loss.backward()
+                del loss
+    gc.collect()
+    if counter.total:
+        raise AssertionError(f"{variant}: {counter.total} bytes of saved activations left after the step")
+    return {"saved_peak_bytes": counter.peak, "one_microbatch_bytes": one_microbatch}
+
+
+def _microbatches(rank: int, seed: int) -> list[torch.Tensor]:
+    torch.manual_seed(1000 * seed + rank)
+    return [torch.randn(ROWS, DIM) for _ in range(N_MICROBATCHES)]
+
+
+def _run_library(library: str, config: SweepConfig, t_layer: float) -> dict:
+    rank = dist.get_rank()
+    all_to_all, function = library_all_to_all(library)
+    batches = _microbatches(rank, 0)
+    torch.manual_seed(rank)
+    probe = MoELayer(all_to_all, 0, 0)
+    probe_optimizer = torch.optim.SGD(probe.parameters(), lr=1e-4)
+
+    def probe_step() -> dict[str, float]:
+        """One microbatch's forward and backward on stock, nothing to hide its all_to_alls behind."""
+        dist.barrier()
+        probe_optimizer.zero_grad(set_to_none=True)
+        wall, blocked = timed_blocking(lambda: probe(batches[0]).backward())
+        probe_optimizer.step()
+        return {"backward_s": wall, "blocked_s": blocked}
+
+    comm_s = calibrate_t_comm(probe_step)
+    t_comm = statistics.median(comm_s)
+    points = []
+    for ratio in config.ratios:
+        dense_layers = sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS)
+        pre_layers = dense_layers // 2
+        torch.manual_seed(rank)
+        model = MoELayer(all_to_all, pre_layers, dense_layers - pre_layers)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        memory = _check_bits_and_memory(model, batches, function, rank, library)
+
+        def measure(variant: str, _rep: int, model=model, optimizer=optimizer) -> dict[str, float]:
+            return _step(model, optimizer, batches, variant, function)
+
+        samples = timed_repetitions(TIMED_VARIANTS, measure, config.reps, config.warmup)
+        points.append({"ratio": ratio, "dense_layers": dense_layers, "samples": samples, "memory": memory})
+    return {"comm_s": comm_s, "t_layer": t_layer, "points": points}
+
+
+def _run_rank(library: str, config: SweepConfig) -> dict:
+    """One rank's part, in the process group: its times per sweep point and variant, under ``library``'s key."""
+    t_layer = agreed_max(dense_layer_backward_s(DIM, ROWS, config.calibration_reps, CALIBRATION_S))
+    return {library: _run_library(library, config, t_layer)}
+
+
+def _exposed(samples: dict, variant: str, metric: str) -> list[float]:
+    """``variant``'s ``metric`` minus the same repetition's ``compute``'s, in seconds."""
+    return [v - c for v, c in zip(samples[variant][metric], samples["compute"][metric], strict=True)]
+
+
+def _ms(seconds: Sequence[float]) -> Summary:
+    return summarize([s * 1e3 for s in seconds])
+
+
+def _single(value: float) -> Summary:
+    return Summary(value, value, value)
+
+
+def report(results: list[dict], link: str, out: str, load: Summary | None = None) -> None:
+    """Prints the table and writes the CSV; ``load``: the runnable tasks while the ranks ran, where known."""
+    sha = git_sha()
+    rows = []
+    for library in results[0]:
+        first = results[0][library]
+        comm = _ms(first["comm_s"])
+        name = LIBRARY_NAMES[library]
+        print(
+            f"\n{NAME}, {name}: {N_MICROBATCHES} microbatches of {ROWS} tokens x {DIM}d, {CAPACITY} per expert, "
+            f"{link}; T_comm {comm} ms a microbatch (stock's wait for its 4 all_to_alls with no dense layer, "
+            f"{len(first['comm_s'])} steps), {N_MICROBATCHES * comm.median:.1f} ms a step; one dense layer's backward "
+            f"{first['t_layer'] * 1e3:.2f} ms"
+        )
+        print(
+            f"{'ratio':>5} {'layers':>6} {'variant':<8} {'step ms':>8} {'/stock':>6} {'exposed ms':>10} "
+            f"{'/stock':>6} {'fwd exp':>7} {'bwd exp':>7} {'saved MiB':>9} {'/stock':>6}"
+        )
+        rows.append(csv_row("comm", library, f"{ROWS} tokens x {DIM}d a microbatch, {link}", "t_comm_ms", comm, sha))
+        merged = merge_ranks([r[library]["points"] for r in results])
+        for index, point in enumerate(merged):
+            samples = point["samples"]
+            # Each rank's activations are its own; the larger of the two ranks' (they hold the same shapes).
+            memory = {
+                variant: {
+                    key: max(r[library]["points"][index]["memory"][variant][key] for r in results)
+                    for key in ("saved_peak_bytes", "one_microbatch_bytes")
+                }
+                for variant in ENGINE_VARIANTS
+            }
+            case = sweep_case(library, point["ratio"])
+            size = f"{ROWS} tokens x {DIM}d a microbatch, {point['dense_layers']} dense layers, {link}"
+            stock_step = statistics.median(samples["stock"]["step_s"])
+            stock_exposed = statistics.median(_exposed(samples, "stock", "step_s"))
+            stock_saved = memory["stock"]["saved_peak_bytes"]
+            one_microbatch = memory["stock"]["one_microbatch_bytes"]
+            rows.append(csv_row("stock", case, size, "one_microbatch_mib", _single(one_microbatch / 2**20), sha))
+            for variant in TIMED_VARIANTS:
+                step = _ms(samples[variant]["step_s"])
+                rows.append(csv_row(variant, case, size, "step_ms", step, sha))
+                cells = [f"{step.median:8.1f}", f"{step.median / 1e3 / stock_step:6.2f}"]
+                if variant in PHASED_VARIANTS:
+                    for phase in ("forward", "backward"):
+                        rows.append(
+                            csv_row(variant, case, size, f"{phase}_ms", _ms(samples[variant][f"{phase}_s"]), sha)
+                        )
+                if variant == "compute":
+                    print(f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<8} {' '.join(cells)}")
+                    continue
+                exposed_s = _exposed(samples, variant, "step_s")
+                exposed = _ms(exposed_s)
+                rows.append(csv_row(variant, case, size, "exposed_ms", exposed, sha))
+                cells += [
+                    f"{exposed.median:10.1f}",
+                    f"{exposed.median / 1e3 / stock_exposed:6.2f}",
+                ]
+                if variant in PHASED_VARIANTS:
+                    for phase in ("forward", "backward"):
+                        phase_exposed = _ms(_exposed(samples, variant, f"{phase}_s"))
+                        rows.append(csv_row(variant, case, size, f"{phase}_exposed_ms", phase_exposed, sha))
+                        cells.append(f"{phase_exposed.median:7.1f}")
+                else:
+                    cells.append(f"{'(phases overlap)':>15}")
+                saved = memory[variant]["saved_peak_bytes"]
+                rows.append(csv_row(variant, case, size, "saved_peak_mib", _single(saved / 2**20), sha))
+                cells += [f"{saved / 2**20:9.1f}", f"{saved / stock_saved:6.2f}"]
+                print(f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<8} {' '.join(cells)}")
+            print(
+                f"{'':12} one microbatch's activations {one_microbatch / 2**20:.1f} MiB: stock + one microbatch = "
+                f"{(stock_saved + one_microbatch) / stock_saved:.2f} x stock's peak"
+            )
+    if load is not None:
+        rows.append(csv_row("machine", NAME, link, "runnable_tasks", load, sha))
+    print_load(load)
+    write_csv(out, rows)
+    print(f"wrote {out}")
+    print_summary(summary_rows(_rows_by_key(rows)))
+
+
+def print_summary(rows: Sequence[SummaryRow]) -> None:
+    """The sweep's means against stock, per case, and the overlap against the aims."""
+    for case in dict.fromkeys(row.case for row in rows):
+        of_case = {row.variant: row.values for row in rows if row.case == case}
+        points = [
+            key.removeprefix("exposed_fraction ") for key in of_case["stock"] if key.startswith("exposed_fraction x")
+        ]
+        print(f"\nsummary, {case}: means over the sweep's points ({', '.join(points)})")
+        print(f"{'variant':<8} {'exposed / stock':>15} {'step / stock':>12} {'saved peak / stock':>18}")
+        for variant, values in of_case.items():
+            print(
+                f"{variant:<8} {values['exposed_fraction']:15.2f} {values['ratio']:12.2f} "
+                f"{values['saved_peak_ratio']:18.2f}"
+            )
+        overlap, lane = of_case["overlap"], of_case["lane"]
+        below = [p for p in points if overlap[f"exposed_fraction {p}"] < lane[f"exposed_fraction {p}"]]
+        print(
+            f"overlap: exposed {overlap['exposed_fraction']:.2f} of stock's (aim <= {AIM_EXPOSED_FRACTION:.2f}: "
+            f"{'met' if overlap['exposed_fraction'] <= AIM_EXPOSED_FRACTION else 'not met'}), step "
+            f"{overlap['ratio']:.2f} x stock's (aim <= {AIM_STEP_RATIO:.2f}: "
+            f"{'met' if overlap['ratio'] <= AIM_STEP_RATIO else 'not met'}), below the lane's exposed at "
+            f"{len(below)}/{len(points)} points; saved activations' peak {overlap['saved_peak_ratio']:.2f} x stock's "
+            f"(stock's + one microbatch's: {overlap['one_more_ratio']:.2f})"
+        )
+
+
+def _rows_by_key(rows: Sequence[dict]) -> dict:
+    """Rows as ``_common.read_csv`` keys them, for summary_rows on what was just measured."""
+    return {(row["what"], row["case"], row["metric"]): row for row in rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = sweep_parser(__doc__, NAME, quick_help="fewer repetitions and sweep points")
+    args = parse_sweep_args(parser, argv)
+    library = installed_library()
+    if library is None:
+        print(
+            f"{NAME}: skipped: neither Megatron-core nor DeepSpeed is installed "
+            "(pip install torch==2.13.0 megatron-core==0.16.1 deepspeed==0.19.8)"
+        )
+        return 0
+    config = sweep_config(args, NAME, quick_reps=6, reps=15)
+    announce = (
+        f"{NAME}: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {library}, {N_MICROBATCHES} microbatches, "
+        f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
+    )
+    return run_sweep(__file__, args, argv, lambda: _run_rank(library, config), report, announce)
+
+
+# --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
+
+
+def _per_point(rows: dict, variant: str, points, metric: str, over: str | None = "stock") -> list[float]:
+    """``variant``'s ``metric`` at each point, over ``over``'s at the same point where given."""
+    return [
+        rows[(variant, case, metric)]["median"] / (1.0 if over is None else rows[(over, case, metric)]["median"])
+        for _, case in points
+    ]
+
+
+def summary_rows(rows: dict) -> list[SummaryRow]:
+    """One row per library and engine variant: the headline is the sweep's mean exposed communication as a fraction
+    of stock's (per point, then averaged); the ratio column the mean step time over stock's. The notes: per point,
+    the lane's and the overlap's exposed fraction; the peak activations over stock's; the aims."""
+    summary = []
+    for library in dict.fromkeys(case.rpartition(" x")[0] for case in csv_cases(rows, "exposed_ms")):
+        points = [(r, case) for r, case in sweep_cases(rows, "stock", "exposed_ms") if case.startswith(library + " x")]
+        link = rows[("stock", points[0][1], "step_ms")]["size"].rpartition(", ")[2]
+        t_comm = rows.get(("comm", library, "t_comm_ms"))
+        lane_fractions = _per_point(rows, "lane", points, "exposed_ms")
+        # What "one more microbatch's activations" allows: stock's peak and one microbatch's, over stock's peak.
+        one_more = statistics.mean(
+            1
+            + rows[("stock", case, "one_microbatch_mib")]["median"] / rows[("stock", case, "saved_peak_mib")]["median"]
+            for _, case in points
+        )
+        for variant in ENGINE_VARIANTS:
+            fractions = _per_point(rows, variant, points, "exposed_ms")
+            steps = _per_point(rows, variant, points, "step_ms")
+            memory = _per_point(rows, variant, points, "saved_peak_mib")
+            exposed_ms = _per_point(rows, variant, points, "exposed_ms", over=None)
+            values = {
+                "exposed_fraction": statistics.mean(fractions),
+                "ratio": statistics.mean(steps),
+                "exposed_ms": statistics.mean(exposed_ms),
+                "saved_peak_ratio": statistics.mean(memory),
+            }
+            values.update({f"exposed_fraction x{ratio:g}": f for (ratio, _), f in zip(points, fractions, strict=True)})
+            values.update({f"step_ratio x{ratio:g}": s for (ratio, _), s in zip(points, steps, strict=True)})
+            per_point = ", ".join(
+                f"x{ratio:g}: {f:.2f}/{s:.2f}" for (ratio, _), f, s in zip(points, fractions, steps, strict=True)
+            )
+            notes = (
+                f"exposed/stock's and step/stock by dense/comm ratio {per_point}; exposed {values['exposed_ms']:.1f} ms "
+                f"on average; saved activations' peak / stock's "
+                f"{values['saved_peak_ratio']:.2f}"
+            )
+            if variant == "overlap":
+                below_lane = sum(f < lane for f, lane in zip(fractions, lane_fractions, strict=True))
+                values["one_more_ratio"] = one_more
+                notes += (
+                    f" (stock's + one microbatch's: {one_more:.2f}); below the lane's exposed at "
+                    f"{below_lane}/{len(points)} points; aims: exposed <= {AIM_EXPOSED_FRACTION:.2f} of stock's "
+                    f"({'met' if values['exposed_fraction'] <= AIM_EXPOSED_FRACTION else 'not met'}), step <= "
+                    f"{AIM_STEP_RATIO:.2f} x stock's ({'met' if values['ratio'] <= AIM_STEP_RATIO else 'not met'})"
+                )
+            if variant == "stock" and t_comm is not None:
+                notes += f"; T_comm {t_comm['median']:.3g} ms a microbatch" + load_note(rows, NAME)
+            summary.append(
+                SummaryRow(
+                    NAME,
+                    f"{LIBRARY_NAMES.get(library, library)}, {N_MICROBATCHES} microbatches, {link}",
+                    variant,
+                    "stock",
+                    f"exposed {values['exposed_fraction']:.2f} of stock's",
+                    f"{values['ratio']:.2f}",
+                    notes,
+                    values,
+                )
+            )
+    return summary
+
+
+def plot(rows: Sequence[SummaryRow], figure) -> None:
+    """Per case: exposed communication over stock's, and step time over stock's, against dense / comm."""
+    cases = list(dict.fromkeys(r.case for r in rows))
+    axes = figure.subplots(len(cases), 2, squeeze=False)
+    for (exposed_ax, step_ax), case in zip(axes, cases, strict=True):
+        for ax, key, ylabel in (
+            (exposed_ax, "exposed_fraction x", "exposed communication / stock's"),
+            (step_ax, "step_ratio x", "step time / stock's"),
+        ):
+            for row in (r for r in rows if r.case == case):
+                curve = sorted(
+                    (float(name.removeprefix(key)), value) for name, value in row.values.items() if name.startswith(key)
+                )
+                ax.plot([r for r, _ in curve], [v for _, v in curve], marker="o", label=row.variant)
+            ax.axhline(1.0, color="grey", linewidth=0.6)
+            ax.set_xlabel("dense backward / T_comm (a microbatch)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(case.replace(", ", "\n", 1), fontsize=8)
+            ax.legend(fontsize=8)
+        exposed_ax.axhline(AIM_EXPOSED_FRACTION, color="black", linewidth=0.8, linestyle="--")
+        step_ax.axhline(AIM_STEP_RATIO, color="black", linewidth=0.8, linestyle="--")
+    figure.suptitle("Overlap across microbatches: the stock loop, the lane alone, the lane with the overlap (- - aims)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
