@@ -5,9 +5,9 @@
 // torch_ext.Engine can stand in for torch.autograd's execution engine; the
 // request builder (backward_request.h) checks them as stock does.
 
-#include "bindings/python_overlap.h"
 #include "bindings/python_collectives.h"
 #include "bindings/python_engine_info.h"
+#include "bindings/python_overlap.h"
 #include "bindings/python_request.h"
 #include "bindings/python_split.h"
 #include "engine/host_callbacks.h"
