@@ -33,7 +33,8 @@ What is guaranteed, against the same loop run sequentially on stock PyTorch, bit
   backward i has finished. Every other backward call made on the caller's thread waits for it too.
 - Each backward runs under the thread-local state its caller had when handing it over (grad mode, autocast,
   saved-tensor hooks, modes), as stock's engine carries it to its device threads; hooks run on the backward
-  thread, in stock's order within the microbatch.
+  thread, in the order the engine runs them without the overlap (stock's, unless a lane or a priority moves a
+  node).
 - The collective order, on every process group: backward i's planned collectives, then forward i+1's, then
   backward i+1's, whatever the timing. The forward's collectives (any c10d collective the caller's thread
   starts) wait until backward i has started every collective the engine planned for it. A collective the engine
@@ -42,8 +43,8 @@ What is guaranteed, against the same loop run sequentially on stock PyTorch, bit
   or with ``no_sync()`` around the others.
 - RNG: a microbatch whose forward saved the RNG state (every activation checkpoint does, to replay dropout in its
   recompute) makes the next forward's collectives wait for the whole backward (the recompute may issue
-  collectives no plan holds), and the backward thread sets the RNG state only while the caller's thread is parked
-  in one of the overlap's waits, so the next forward's draws are stock's.
+  collectives no plan holds), and the backward thread reads or sets the RNG state only while the caller's thread
+  is parked in one of the overlap's waits, so the next forward's draws are stock's.
 - The points where everything has finished: the block's end, :meth:`MicrobatchOverlap.wait`, any
   ``optimizer.step()`` (a global step pre-hook waits) and any other backward started on the caller's thread.
   Read ``.grad`` (``clip_grad_norm_``, logging) only after one of them.
