@@ -14,7 +14,8 @@ void CollectiveLanes::dispatch(
     c10::intrusive_ptr<torch::autograd::Node> fn,
     torch::autograd::variable_list&& inputs,
     at::ThreadLocalState state,
-    std::function<void()> before_apply) {
+    std::function<void()> before_apply,
+    std::function<void()> after_apply) {
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     shared_->queues[group].push_back(
@@ -23,7 +24,8 @@ void CollectiveLanes::dispatch(
             std::move(fn),
             std::move(inputs),
             std::move(state),
-            std::move(before_apply)});
+            std::move(before_apply),
+            std::move(after_apply)});
   }
   ++in_flight_;
   if (lanes_.find(group) == lanes_.end()) {
@@ -57,6 +59,9 @@ void CollectiveLanes::lane_main(
       }
       at::ThreadLocalStateGuard state(work.state);
       finished.outputs = (*work.fn)(std::move(work.inputs));
+      if (work.after_apply) {
+        work.after_apply();
+      }
     } catch (...) {
       finished.error = std::current_exception();
     }

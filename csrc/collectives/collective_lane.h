@@ -61,13 +61,16 @@ class CollectiveLanes {
   // `before_apply`, when given, runs on the lane first; what it throws is the
   // node's error (the collective order check's mismatch: awaited where the
   // lane would block in the collective anyway, not on the engine thread).
+  // `after_apply`, when given, runs on the lane once apply() returned
+  // without error, before the engine thread hears of it.
   void dispatch(
       uintptr_t group,
       int32_t slot,
       c10::intrusive_ptr<torch::autograd::Node> fn,
       torch::autograd::variable_list&& inputs,
       at::ThreadLocalState state,
-      std::function<void()> before_apply = nullptr);
+      std::function<void()> before_apply = nullptr,
+      std::function<void()> after_apply = nullptr);
 
   // Whether any node handed over has not been taken back by take_finished.
   bool busy() const {
@@ -95,6 +98,7 @@ class CollectiveLanes {
     torch::autograd::variable_list inputs;
     at::ThreadLocalState state;
     std::function<void()> before_apply;
+    std::function<void()> after_apply;
   };
   // What the engine thread and the lanes share. Held by shared_ptr, so a lane
   // detached after an interrupt outlives the call safely.

@@ -233,13 +233,21 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
       }
     };
   }
+  std::function<void()> after_apply;
+  if (progress_ != nullptr && slot.collective) {
+    // Reported from the lane as soon as the collective returned: the forward
+    // thread waiting on it need not wait for the engine thread to poll the
+    // lane (it may be running a long node).
+    after_apply = [progress = progress_] { progress->started_one(); };
+  }
   sequence_->lanes.dispatch(
       group,
       index,
       fn.getptr(),
       std::move(grads),
       at::ThreadLocalState(),
-      std::move(before_apply));
+      std::move(before_apply),
+      std::move(after_apply));
 }
 
 void BackwardCall::finish_lane_node(
@@ -261,9 +269,6 @@ void BackwardCall::finish_lane_node(
             std::move(error),
             fn,
             /*in_lane=*/true));
-  }
-  if (progress_ != nullptr && plan_.slots[index].collective) {
-    progress_->started_one();
   }
   enter_task_state();
   variable_list delivered;
