@@ -98,7 +98,7 @@ NAME = "microbatch_overlap"
 WORLD_SIZE = 2
 # Microbatches a step: 8, as gradient accumulation commonly uses; the unhideable floor is 3 / (4 x this) of stock's
 # exposure (above). Quick runs on an idle machine read the overlap's exposure 0.57-0.67 of stock's (step 0.84-0.87)
-# with 4, and 0.38-0.60 (step 0.76-0.89, 3 runs) with 8; the quick mode takes 86-92 s instead of 51.
+# with 4, and 0.38-0.66 (step 0.76-0.89, 4 runs) with 8; the quick mode takes 72-92 s instead of 51.
 N_MICROBATCHES = 8
 # Tokens each rank sends each expert per microbatch, and their width: 512 x 256 floats = 0.5 MiB to the other
 # rank per all_to_all, four all_to_alls a microbatch.
