@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.util
 import statistics
 import sys
 import threading
@@ -90,6 +89,7 @@ from _common import (
     write_csv,
 )
 from _hosts import agreed_max
+from moe_sync import LIBRARY_NAMES, _identity, installed_libraries, library_all_to_all
 from torch import nn
 
 import torch_ext
@@ -111,7 +111,6 @@ ENGINE_VARIANTS = ("stock", "lane", "overlap")
 TIMED_VARIANTS = ("compute", *ENGINE_VARIANTS)
 # The variants whose forward and backward run one after the other, so that each phase has its own time.
 PHASED_VARIANTS = ("compute", "stock", "lane")
-LIBRARY_NAMES = {"megatron": "Megatron-core", "deepspeed": "DeepSpeed"}
 # The aims the summary measures against (the issue's): at the sweep's mean, the overlap's exposed communication
 # at most this fraction of stock's, and its step at most this fraction of stock's.
 AIM_EXPOSED_FRACTION = 0.30
@@ -120,28 +119,7 @@ AIM_STEP_RATIO = 0.80
 
 def installed_library() -> str | None:
     """Megatron-core if installed, else DeepSpeed, else None: one library is enough here."""
-    for library, module in (("megatron", "megatron.core"), ("deepspeed", "deepspeed.moe")):
-        if importlib.util.find_spec(library) is not None and importlib.util.find_spec(module) is not None:
-            return library
-    return None
-
-
-def library_all_to_all(library: str) -> tuple[Callable, type]:
-    """``all_to_all(group, tokens)`` through the library's ``_AllToAll``, and that Function class."""
-    if library == "megatron":
-        from megatron.core.tensor_parallel.mappings import _AllToAll, all_to_all
-
-        return all_to_all, _AllToAll
-    import deepspeed.comm
-    from deepspeed.moe.sharded_moe import _AllToAll
-
-    if not deepspeed.comm.is_initialized():
-        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    return _AllToAll.apply, _AllToAll
-
-
-def _identity(group, tokens: torch.Tensor) -> torch.Tensor:
-    return tokens
+    return next(iter(installed_libraries()), None)
 
 
 def _dense(layers: int) -> nn.Sequential:
