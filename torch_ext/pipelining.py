@@ -43,7 +43,6 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.nn import Parameter
 
-from torch_ext import engine as _engine
 from torch_ext.microbatches import overlap_microbatches
 from torch_ext.split import SplitState, backward_input, backward_weight
 
@@ -222,9 +221,9 @@ def overlap_f_b(action: _Action, ctx: _PipelineContext) -> None:
     backward = _prepare_backward(schedule, stages, backward_action)
 
     def backward_on_torch_ext() -> None:
+        # run_backward sends the stage's backward call to torch_ext's engine.
         try:
-            with _engine._routed(None, "overlap_f_b"):
-                backward()
+            backward()
         except BaseException as error:
             error.add_note(f"in the backward {backward_action} of {action} (torch_ext.pipelining.overlap_f_b)")
             raise

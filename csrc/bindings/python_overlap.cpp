@@ -285,14 +285,13 @@ void install_collective_gate() {
   });
 }
 
-std::thread::id forward_thread_checked(const char* api) {
+void check_forward_thread(const char* api) {
   Window& w = window();
   TORCH_CHECK(
       w.open.load() && std::this_thread::get_id() == w.forward_thread,
       "torch_ext: ",
       api,
       " must be called on the thread that opened the microbatch overlap");
-  return w.forward_thread;
 }
 
 // _overlap_open(): this thread is the forward thread of a new window.
@@ -346,7 +345,7 @@ PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Lp", &microbatch, &waits_for_all)) {
     return nullptr;
   }
-  forward_thread_checked("hand_over");
+  check_forward_thread("hand_over");
   Window& w = window();
   std::lock_guard<std::mutex> lock(w.mutex);
   TORCH_INTERNAL_ASSERT(w.current == nullptr || w.current->finished);
@@ -395,7 +394,7 @@ PyObject* py_overlap_finish(PyObject*, PyObject* error) {
 // has finished (Ctrl-C ends the wait).
 PyObject* py_overlap_wait(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
-  forward_thread_checked("wait");
+  check_forward_thread("wait");
   Window& w = window();
   pybind11::gil_scoped_release no_gil;
   std::unique_lock<std::mutex> lock(w.mutex);

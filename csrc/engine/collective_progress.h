@@ -51,6 +51,12 @@ inline bool starting_planned_collective() {
   return detail::starting_planned_collective > 0;
 }
 
+// Marks this thread, for the rest of its life, as starting only planned
+// collectives: a lane of a reporting call, which runs nothing else.
+inline void start_only_planned_collectives_on_this_thread() {
+  detail::starting_planned_collective = 1;
+}
+
 // Marks this thread as starting a planned collective for a scope.
 class StartingPlannedCollective {
  public:

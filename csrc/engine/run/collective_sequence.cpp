@@ -226,7 +226,7 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
       if (reports) {
         // The lane is this call's and runs its planned collectives only: the
         // collective gate lets all of them through (collective_progress.h).
-        ++detail::starting_planned_collective;
+        start_only_planned_collectives_on_this_thread();
       }
       if (check != nullptr) {
         check->await();
