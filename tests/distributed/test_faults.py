@@ -123,12 +123,16 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def report_rank_result(out_dir: str, rank: int, result: dict) -> None:
+    """Leaves ``result`` for the parent, whole or not at all: it reads what a rank left when it is gone."""
+    partial = os.path.join(out_dir, f"rank{rank}.partial")
+    torch.save(result, partial)
+    os.replace(partial, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def _rank(rank: int, port: int, fault: str, through: str, out_dir: str) -> None:
     def report(result: dict) -> None:
-        # Whole or not at all: the parent reads what a rank left when it is gone.
-        partial = os.path.join(out_dir, f"rank{rank}.partial")
-        torch.save(result, partial)
-        os.replace(partial, os.path.join(out_dir, f"rank{rank}.pt"))
+        report_rank_result(out_dir, rank, result)
 
     try:
         torch.set_num_threads(1)

@@ -43,6 +43,7 @@ from _harness import (
     run_ranks,
 )
 from test_faults import _run as run_with_a_fault
+from test_faults import report_rank_result
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -296,10 +297,7 @@ def _killed_rank(rank: int, port: int, fault: str, through: str, out_dir: str) -
     reports the first error it meets and when."""
 
     def report(result: dict) -> None:
-        # Whole or not at all: the parent reads what a rank left when it is gone.
-        partial = os.path.join(out_dir, f"rank{rank}.partial")
-        torch.save(result, partial)
-        os.replace(partial, os.path.join(out_dir, f"rank{rank}.pt"))
+        report_rank_result(out_dir, rank, result)
 
     try:
         torch.set_num_threads(1)
