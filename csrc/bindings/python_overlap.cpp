@@ -8,11 +8,13 @@
 // on every process group, each rank issues all the collectives backward i's
 // plan starts, then forward i+1's, then backward i+1's. The forward thread's
 // collectives wait until backward i has started every collective its plan
-// holds (engine/collective_progress.h), or until it has finished, when the
+// holds (engine/collective_progress.h; a lane node's counts as started once
+// the gate has seen it issued), or until it has finished, when the
 // microbatch saved the RNG state in forward (an activation checkpoint, whose
 // recompute may issue collectives no plan holds). Any other collective
-// started while backward i runs (a hook's, a nested backward's) is refused
-// with an error on every rank alike, before it starts.
+// started while backward i runs (a hook's, a nested backward's, a lane
+// node's second) is refused with an error on every rank alike, before it
+// starts.
 //
 // RNG: a checkpoint's recompute sets the global generator to forward's state
 // and back. The backward thread does so only while the forward thread is
@@ -231,6 +233,20 @@ void before_collective(const c10::OperatorHandle& op) {
     return;
   }
   const std::shared_ptr<HandedBackward>& backward = w.current;
+  const IssuingLaneNode* lane_node = issuing_lane_node();
+  TORCH_CHECK(
+      lane_node == nullptr || lane_node->issued == 0,
+      "torch_ext: ",
+      op.schema().name(),
+      " was not started: it is the second collective of a backward node "
+      "declared with run_in_lane, whose backward must run one collective, in "
+      "the backward of microbatch ",
+      backward->microbatch,
+      ", which runs beside the next microbatch's forward. The forward's "
+      "collectives are issued right behind a lane node's first one, so a "
+      "second could be ordered differently on each rank; it was refused on "
+      "every rank. Declare only Functions whose backward runs one collective, "
+      "or run that backward without the overlap.");
   if (backward->finished || backward->forward_waits_for_all ||
       starting_planned_collective()) {
     return;
@@ -254,10 +270,17 @@ void collective_gate(
     const c10::OperatorHandle& op,
     c10::DispatchKeySet keys,
     torch::jit::Stack* stack) {
-  if (window().open.load(std::memory_order_acquire)) {
+  const bool open = window().open.load(std::memory_order_acquire);
+  if (open) {
     before_collective(op);
   }
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  IssuingLaneNode* lane_node = issuing_lane_node();
+  if (open && lane_node != nullptr && ++lane_node->issued == 1) {
+    // Issued (queued on its group, in flight): the forward's next collective
+    // is ordered behind it on every rank from here.
+    lane_node->progress->started_one();
+  }
 }
 
 void install_collective_gate() {

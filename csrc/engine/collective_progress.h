@@ -23,16 +23,43 @@ class CollectiveProgress {
   virtual ~CollectiveProgress() = default;
   // The call's plan is made: it starts `count` collectives.
   virtual void planned(size_t count) = 0;
-  // One of them was started: its apply() returned (on a lane, the
-  // collective itself has finished; on the engine thread, an asynchronous
-  // one is in flight).
+  // One of them was started: its collective has been issued (a lane
+  // node's, see IssuingLaneNode), or its apply() returned (on the engine
+  // thread, an asynchronous collective is then in flight; a lane node whose
+  // collective the gate did not see has finished it).
   virtual void started_one() = 0;
+};
+
+// The lane node of a reporting call that a lane thread is running. Its
+// backward runs one collective (run_in_lane's contract), so the collective
+// gate reports it started as soon as that collective has been issued: the
+// forward thread's next collective is then issued right behind it, not after
+// it has finished, and the two are in flight at once. A second collective
+// from the same node is refused before it is issued: the forward thread's
+// may already be queued ahead of it on some ranks and not on others.
+struct IssuingLaneNode {
+  std::shared_ptr<CollectiveProgress> progress;
+  // How many collectives the node has issued so far.
+  int issued = 0;
 };
 
 namespace detail {
 inline thread_local std::shared_ptr<CollectiveProgress> next_call_reports_to;
 inline thread_local int starting_planned_collective = 0;
+inline thread_local std::shared_ptr<IssuingLaneNode> issuing_lane_node;
 } // namespace detail
+
+// The lane node this thread is running for a reporting call, if any.
+inline IssuingLaneNode* issuing_lane_node() {
+  return detail::issuing_lane_node.get();
+}
+
+// Marks `node` as the lane node this thread runs (null: none). Shared: a node
+// whose apply() raised is left marked until the lane's next node, which
+// replaces it (a lane runs only its call's nodes).
+inline void set_issuing_lane_node(std::shared_ptr<IssuingLaneNode> node) {
+  detail::issuing_lane_node = std::move(node);
+}
 
 // The next torch_ext call made on this thread (a BackwardCall's constructor
 // takes it, so a backward nested inside one of its nodes does not) reports

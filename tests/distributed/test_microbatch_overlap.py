@@ -33,8 +33,9 @@ MICROBATCHES = 4
 DIM = 8
 TOKENS = 6
 
-# (phase, collective, on the forward thread) as each collective returned, on this rank: phase "F" forward, "B"
-# backward.
+# (phase, collective, on the forward thread) as each collective was issued, on this rank: phase "F" forward
+# (logged once the collective is queued on its group: the gate let it through), "B" backward (logged before the
+# lane issues it). The rule puts a forward's collectives behind the backward's, so the log is in issue order.
 COLLECTIVE_LOG: list[tuple[str, str, bool]] = []
 FORWARD_THREAD: list[threading.Thread] = []
 
@@ -50,8 +51,9 @@ class ExpertAllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.group = dist.group.WORLD
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=ctx.group)
+        issued = dist.all_to_all_single(out, x.contiguous(), group=ctx.group, async_op=True)
         _log("F", "all_to_all")
+        issued.wait()
         return out
 
     @staticmethod
@@ -59,8 +61,8 @@ class ExpertAllToAll(torch.autograd.Function):
         if LATE_RANK and dist.get_rank() == LATE_RANK[0]:
             time.sleep(0.05)
         out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
         _log("B", "all_to_all")
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
         return out
 
 
@@ -87,8 +89,9 @@ class MoELayer(nn.Module):
         h = self._dense(self.pre, tokens)
         counts = torch.tensor([h.shape[0]], dtype=torch.int64)
         gathered = torch.empty(dist.get_world_size(), dtype=torch.int64)
-        dist.all_gather_into_tensor(gathered, counts)
+        issued = dist.all_gather_into_tensor(gathered, counts, async_op=True)
         _log("F", "all_gather")
+        issued.wait()
         expert_out = ExpertAllToAll.apply(self.expert(ExpertAllToAll.apply(h)))
         return expert_out + self._dense(self.dense, h) * gathered.sum().item() / (2 * TOKENS)
 
@@ -217,6 +220,30 @@ def _raise_in_hook(microbatch: int) -> None:
         raise ValueError("a hook failed on microbatch 1")
 
 
+class TwoAllToAllsInBackward(torch.autograd.Function):
+    """Breaks run_in_lane's contract: its backward runs two collectives."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.group = dist.group.WORLD
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        once, twice = torch.empty_like(grad), torch.empty_like(grad)
+        dist.all_to_all_single(once, grad.contiguous(), group=ctx.group)
+        dist.all_to_all_single(twice, once, group=ctx.group)
+        return twice
+
+
+def _two_collectives_in_a_lane_node(rank: int) -> None:
+    torch.manual_seed(rank)
+    linear = nn.Linear(DIM, DIM)
+    with torch_ext.overlap_microbatches() as overlap:
+        for _ in range(MICROBATCHES):
+            overlap.backward(TwoAllToAllsInBackward.apply(linear(torch.randn(2 * TOKENS, DIM))).sum())
+
+
 def _run_errors(rank: int) -> dict:
     FORWARD_THREAD[:] = [threading.current_thread()]
     torch_ext.run_in_lane(ExpertAllToAll)
@@ -236,6 +263,16 @@ def _run_errors(rank: int) -> dict:
         # The next step works and runs no thread of the failed one.
         _small_step(model, rank, 1)
         results[name + "_threads_after"] = sorted(t.name for t in threading.enumerate())
+    # A lane node's collective counts as started once issued, so a second one from the same node is refused.
+    torch_ext.run_in_lane(TwoAllToAllsInBackward)
+    try:
+        _two_collectives_in_a_lane_node(rank)
+        results["second_in_lane"] = None
+    except RuntimeError as error:
+        results["second_in_lane"] = (str(error), getattr(error, "__notes__", []))
+    finally:
+        torch_ext.unregister_collective_backward(TwoAllToAllsInBackward)
+    _small_step(model, rank, 1)
     # The order check covers the overlap: rank 0's forward of microbatch 1 saves the RNG state (as a checkpoint
     # would on that rank only), so its backward makes the next forward's collectives wait for all of it, and
     # rank 1's does not. Both ranks raise before backward 1 starts a collective.
@@ -281,6 +318,18 @@ def test_an_error_in_the_backward_surfaces_in_the_caller_naming_its_microbatch(e
         kind, message, notes = result["raises"]
         assert (kind, message) == ("ValueError", "a hook failed on microbatch 1"), result["raises"]
         assert any("the backward of microbatch 1" in note for note in notes), notes
+
+
+def test_a_second_collective_of_a_lane_node_is_refused_on_every_rank(errors):
+    outcomes = [result["second_in_lane"] for result in errors]
+    assert outcomes[0] == outcomes[1], outcomes
+    message, notes = outcomes[0]
+    assert message.startswith(
+        "torch_ext: c10d::alltoall_base_ was not started: it is the second collective of a "
+        "backward node declared with run_in_lane"
+    ), message
+    assert "in the backward of microbatch 0" in message, message
+    assert any("the backward of microbatch 0" in note for note in notes), notes
 
 
 def test_the_order_check_covers_the_overlap_rule(errors):

@@ -220,25 +220,39 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
   if (lane_node.had_post_hooks) {
     lane_node.inputs = grads;
   }
+  // A reporting call's collective node reports when its collective is
+  // issued (the gate sees it while this is the lane's issuing node), or once
+  // apply() returned if the gate never saw it (a functional collective).
+  std::shared_ptr<IssuingLaneNode> issuing;
+  if (progress_ != nullptr && slot.collective) {
+    issuing = std::make_shared<IssuingLaneNode>();
+    issuing->progress = progress_;
+  }
   std::function<void()> before_apply;
   if (order_check_ != nullptr || progress_ != nullptr) {
-    before_apply = [check = order_check_, reports = progress_ != nullptr] {
-      if (reports) {
-        // The lane is this call's and runs its planned collectives only: the
-        // collective gate lets all of them through (collective_progress.h).
-        start_only_planned_collectives_on_this_thread();
-      }
-      if (check != nullptr) {
-        check->await();
-      }
-    };
+    before_apply =
+        [check = order_check_, reports = progress_ != nullptr, issuing] {
+          if (reports) {
+            // The lane is this call's and runs its planned collectives only:
+            // the collective gate lets all of them through
+            // (collective_progress.h).
+            start_only_planned_collectives_on_this_thread();
+          }
+          if (check != nullptr) {
+            check->await();
+          }
+          // After the check's own exchange, which is not the node's collective.
+          set_issuing_lane_node(issuing);
+        };
   }
   std::function<void()> after_apply;
-  if (progress_ != nullptr && slot.collective) {
-    // Reported from the lane as soon as the collective returned: the forward
-    // thread waiting on it need not wait for the engine thread to poll the
-    // lane (it may be running a long node).
-    after_apply = [progress = progress_] { progress->started_one(); };
+  if (issuing != nullptr) {
+    after_apply = [issuing] {
+      set_issuing_lane_node(nullptr);
+      if (issuing->issued == 0) {
+        issuing->progress->started_one();
+      }
+    };
   }
   sequence_->lanes.dispatch(
       group,
