@@ -43,12 +43,13 @@ beside a thread running Python, which holds the GIL).
 CPU time: each variant's step also records the CPU time its process used (``time.process_time``, every thread),
 and the table's ``cpu +ms`` is that above the same repetition's ``compute`` step's. With two ranks on two cores, a
 rank has about one core: CPU time a variant adds cannot hide behind anything, only waiting can. gloo's own threads
-use ~0.9 ms of CPU per all_to_all (per-thread CPU time over 200 all_to_alls, 29 ms a step), yet stock adds 36-120
+use ~0.9 ms of CPU per all_to_all (per-thread CPU time over 200 all_to_alls, 29 ms a step), yet stock adds 25-120
 ms a step: compute that waits in between runs slower on this VM (in one process, 4 x (forward, backward) of 5
 dense layers took 98-105 ms of CPU back to back, 111-134 ms with a 0.5-8 ms sleep after each phase). The overlap
-adds more as the model deepens (59 / 81 / 117 ms at x0.5 / x1 / x2 in one quick run, stock 53 / 48 / 36): its
-two microbatches' activations (the saved peak, 1.1-1.3 x stock's) and the other rank's share one 32 MiB L3. That
-part of its exposure no order of work removes here; the summary prints it as a fraction of stock's exposure.
+adds more, and more as the model deepens (78-83 / 99-117 / 85-173 ms at x0.5 / x1 / x2 in three quick runs, stock
+39-64 / 83-91 / 25-73): the waits' cost, and two microbatches interleaving on one core (with the all_to_alls the
+identity, an overlapped step took 1.02-1.06 x the sequential one's time at 20 layers, 8 steps each). That part of
+its exposure, 0.29-0.37 of stock's exposure in those runs, no order of work removes here; the summary prints it.
 
 Peak memory: there are no allocator statistics on CPU, so one untimed step per variant counts the activations
 held at once: a saved-tensors pack hook tallies the bytes of every distinct storage autograd saved (parameters and
@@ -108,7 +109,8 @@ NAME = "microbatch_overlap"
 WORLD_SIZE = 2
 # Microbatches a step: 8, as gradient accumulation commonly uses; the unhideable floor is 3 / (4 x this) of stock's
 # exposure (above). Quick runs on an idle machine read the overlap's exposure 0.57-0.67 of stock's (step 0.84-0.87)
-# with 4, and 0.38-0.66 (step 0.76-0.89, 4 runs) with 8; the quick mode takes 72-92 s instead of 51.
+# with 4, and 0.38-0.66 (step 0.76-0.89, 4 runs) with 8; with a lane's collective releasing the forward once
+# issued, 0.49-0.55 (step 0.81-0.85, 5 runs). The quick mode takes 72-92 s instead of 51.
 N_MICROBATCHES = 8
 # Tokens each rank sends each expert per microbatch, and their width: 512 x 256 floats = 0.5 MiB to the other
 # rank per all_to_all, four all_to_alls a microbatch.
