@@ -121,6 +121,8 @@ def test_bad_arguments_are_named():
             overlap.backward(torch.ones(2).sum())
         with pytest.raises(RuntimeError, match="already open"):
             torch_ext.overlap_microbatches()
+        with pytest.raises(ValueError, match="run_backward: forward_collectives must be one of"):
+            overlap.run_backward(lambda: None, forward_collectives="whenever")
         errors = []
         thread = threading.Thread(target=lambda: errors.append(_try(lambda: overlap.backward(torch.ones(1)))))
         thread.start()

@@ -124,22 +124,31 @@ class MicrobatchOverlap:
 
         self._hand_over(run, forward_waits_for_all=self._forward_waits_for_all)
 
-    def run_backward(self, backward: Callable[[], object]) -> None:
+    def run_backward(self, backward: Callable[[], object], *, forward_collectives: str = "after_backward") -> None:
         """Hands ``backward``, any code that runs one backward (a library's ``engine.backward(loss)`` with its
         bookkeeping, a pipeline stage's ``backward_one_chunk``), to the backward thread, as :meth:`backward` does
         with one ``torch.autograd.backward`` call. Its first backward call runs on torch_ext's engine.
 
-        The engine plans only that call's collectives, and the rest of ``backward`` may issue others, so the
-        next forward's collectives wait for the whole of it. What ``backward`` returns is dropped; what it
-        raises is raised at the next wait point.
+        The engine plans only that call's collectives, and the rest of ``backward`` may issue others, so by
+        default (``forward_collectives="after_backward"``) the next forward's collectives wait for the whole of
+        it. ``"after_backward_collectives"`` lets them start once that call has started its planned collectives,
+        as :meth:`backward` does; then any other collective ``backward`` starts meanwhile is refused with a
+        RuntimeError on every rank (for code that issues none until the step's last microbatch: DeepSpeed's
+        ``engine.backward`` and ``engine.step`` off the accumulation boundary). What ``backward`` returns is
+        dropped; what it raises is raised at the next wait point.
         """
         self._check_open("run_backward")
+        if forward_collectives not in _FORWARD_COLLECTIVES:
+            raise ValueError(
+                f"torch_ext: MicrobatchOverlap.run_backward: forward_collectives must be one of "
+                f"{_FORWARD_COLLECTIVES}, not {forward_collectives!r}"
+            )
 
         def run() -> None:
             with _engine._routed(None, "MicrobatchOverlap.run_backward"):
                 backward()
 
-        self._hand_over(run, forward_waits_for_all=True)
+        self._hand_over(run, forward_waits_for_all=forward_collectives == "after_backward")
 
     def _hand_over(self, run: Callable[[], None], forward_waits_for_all: bool) -> None:
         """Waits for the backward in flight, then starts ``run`` on the backward thread under this thread's

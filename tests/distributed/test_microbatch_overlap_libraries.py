@@ -349,12 +349,14 @@ ENGINE_CONFIG = {
 }
 
 
-def _train_engine(rank: int, overlapped: bool, hand_over: str | None = "deferring") -> dict:
+def _train_engine(
+    rank: int, overlapped: bool, hand_over: str | None = "deferring", rule: str = "after_backward"
+) -> dict:
     """The DeepSpeed loop; overlapped, each step's microbatches run in an overlap, with each microbatch but the
     step's last handed over: ``engine.backward`` inside ``overlap.deferring(i + 1 < n)`` (``"deferring"``, then
     ``engine.step()`` on the caller's thread), or ``engine.backward`` and ``engine.step()`` together in
     ``overlap.run_backward`` (``"run_backward"``), the last after ``overlap.wait()`` on the caller's thread; or
-    nothing handed over (None)."""
+    nothing handed over (None). ``rule``: run_backward's ``forward_collectives``."""
     import deepspeed
 
     torch.manual_seed(rank)
@@ -375,7 +377,9 @@ def _train_engine(rank: int, overlapped: bool, hand_over: str | None = "deferrin
                     if not last:
                         # DeepSpeed's backward and its micro-step bookkeeping (micro_steps, read by
                         # is_gradient_accumulation_boundary() in both) on the backward thread, in order.
-                        overlap.run_backward(lambda loss=loss: (engine.backward(loss), engine.step()))
+                        overlap.run_backward(
+                            lambda loss=loss: (engine.backward(loss), engine.step()), forward_collectives=rule
+                        )
                         continue
                     overlap.wait()
                     engine.backward(loss)
@@ -414,11 +418,16 @@ def _run_deepspeed_engine(rank: int) -> dict:
     results = {
         "deferred": {"stock": stock},
         "run_backward": {"stock": stock},
+        "run_backward_planned": {"stock": stock},
         "not_deferred": {"stock": stock, "overlap": _train_engine(rank, overlapped=True, hand_over=None)},
     }
-    for case, hand_over in (("run_backward", "run_backward"), ("deferred", "deferring")):
+    for case, hand_over, rule in (
+        ("run_backward", "run_backward", "after_backward"),
+        ("run_backward_planned", "run_backward", "after_backward_collectives"),
+        ("deferred", "deferring", "after_backward"),
+    ):
         try:
-            results[case]["overlap"] = _train_engine(rank, overlapped=True, hand_over=hand_over)
+            results[case]["overlap"] = _train_engine(rank, overlapped=True, hand_over=hand_over, rule=rule)
         except Exception as error:  # noqa: BLE001 - reported by the test, with both ranks' messages
             results[case]["overlap_error"] = _describe(error)
     return results
@@ -484,3 +493,17 @@ def test_deepspeed_engine_run_backward_bits_equal_stocks(deepspeed_engine):
         assert result["run_backward"]["overlap"]["global_steps"] == STEPS
     _check_bits(deepspeed_engine, "run_backward")
     _check_handed_over(deepspeed_engine, "run_backward", synchronous_last=True)
+
+
+@NEEDS_DEEPSPEED
+def test_deepspeed_engine_run_backward_waiting_only_for_planned_collectives_bits_equal_stocks(deepspeed_engine):
+    """As above, with run_backward's forward_collectives="after_backward_collectives": the next forward's
+    collectives (top2gating's capacity all_reduce, the dispatch all_to_all) start once the handed backward's
+    planned ones have, beside the rest of engine.backward and engine.step. Off the accumulation boundary they
+    issue no collective (one would be refused, on both ranks): stock's bits."""
+    errors = [result["run_backward_planned"].get("overlap_error") for result in deepspeed_engine]
+    assert errors == [None, None], "\n".join(f"rank {rank}: {error}" for rank, error in enumerate(errors))
+    for result in deepspeed_engine:
+        assert result["run_backward_planned"]["overlap"]["global_steps"] == STEPS
+    _check_bits(deepspeed_engine, "run_backward_planned")
+    _check_handed_over(deepspeed_engine, "run_backward_planned", synchronous_last=True)
