@@ -328,6 +328,22 @@ class MicrobatchOverlap:
 
             return set_rng_state
 
+        # A functional collective's kernel reaches c10d with the Autograd key excluded, past the collective gate, and
+        # the RecordFunction observer that sees it there cannot raise: one started off the forward thread (a hook's,
+        # on the backward thread) is refused here, before it is issued, unless the backward planned it.
+        def refusing_unplanned(call):
+            def __call__(op, /, *args, **kwargs):
+                if threading.current_thread() is not forward:
+                    name = _functional_collective(op)
+                    if name is not None:
+                        _C._overlap_refuse_unless_planned(name)
+                return call(op, *args, **kwargs)
+
+            return __call__
+
+        for op_class in (torch._ops.OpOverloadPacket, torch._ops.OpOverload):
+            patch(op_class, "__call__", refusing_unplanned)
+
         cpu_get = torch.random.get_rng_state
         for module in (torch, torch.random):
             patch(module, "get_rng_state", lambda original: sectioned_get_rng_state(original, "cpu"))
@@ -430,6 +446,28 @@ def _current_accelerator_stream() -> torch.Stream | None:
     if not torch.accelerator.is_available():
         return None
     return torch.accelerator.current_stream(torch.accelerator.current_device_index())
+
+
+# Namespaces of PyTorch's functional collectives (torch.distributed._functional_collectives; the second is the
+# legacy one).
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional")
+# op (OpOverload or OpOverloadPacket) -> the collective's name, "" for any other op.
+_functional_collective_names: dict[Any, str] = {}
+
+
+def _functional_collective(func: Any) -> str | None:
+    """The name of the functional collective ``func`` issues (an op of _FUNCTIONAL_NAMESPACES on a group: one that
+    takes a ``group_name``, not ``wait_tensor``), or None."""
+    if not isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return None
+    name = _functional_collective_names.get(func)
+    if name is None:
+        overload = getattr(func, func.overloads()[0]) if isinstance(func, torch._ops.OpOverloadPacket) else func
+        schema = overload._schema
+        on_a_group = any(argument.name == "group_name" for argument in schema.arguments)
+        name = schema.name if on_a_group and schema.name.split("::")[0] in _FUNCTIONAL_NAMESPACES else ""
+        _functional_collective_names[func] = name
+    return name or None
 
 
 # The backward thread's handed backward: (microbatch, whether the next forward's collectives wait for all of it).

@@ -212,6 +212,45 @@ std::unique_ptr<at::ObserverContext> on_forward_op(
   return nullptr;
 }
 
+// On a backward-side thread (the backward thread, its lanes): refuses the
+// collective `name` unless the backward in flight planned it, before it is
+// issued. The caller holds the window's mutex.
+void refuse_unless_planned(
+    const std::string& name,
+    const HandedBackward& backward) {
+  const IssuingLaneNode* lane_node = issuing_lane_node();
+  TORCH_CHECK(
+      lane_node == nullptr || lane_node->issued == 0,
+      "torch_ext: ",
+      name,
+      " was not started: it is the second collective of a backward node "
+      "declared with run_in_lane, whose backward must run one collective, in "
+      "the backward of microbatch ",
+      backward.microbatch,
+      ", which runs beside the next microbatch's forward. The forward's "
+      "collectives are issued right behind a lane node's first one, so a "
+      "second could be ordered differently on each rank; it was refused on "
+      "every rank. Declare only Functions whose backward runs one collective, "
+      "or run that backward without the overlap.");
+  if (backward.finished || backward.forward_waits_for_all ||
+      starting_planned_collective()) {
+    return;
+  }
+  TORCH_CHECK(
+      false,
+      "torch_ext: ",
+      name,
+      " was started during the backward of microbatch ",
+      backward.microbatch,
+      ", which runs beside the next microbatch's forward, by something the "
+      "engine did not plan (a hook, or a backward nested in a node): it could "
+      "race the forward's collectives on another rank, so it was refused on "
+      "every rank. Run that backward without the overlap (DDP: only the last "
+      "microbatch syncs, so run the others under no_sync()), or make the "
+      "forward wait for the whole backward: "
+      "overlap_microbatches(forward_collectives='after_backward')");
+}
+
 void before_collective(const c10::OperatorHandle& op) {
   Window& w = window();
   std::unique_lock<std::mutex> lock(w.mutex);
@@ -232,38 +271,7 @@ void before_collective(const c10::OperatorHandle& op) {
         ")");
     return;
   }
-  const std::shared_ptr<HandedBackward>& backward = w.current;
-  const IssuingLaneNode* lane_node = issuing_lane_node();
-  TORCH_CHECK(
-      lane_node == nullptr || lane_node->issued == 0,
-      "torch_ext: ",
-      op.schema().name(),
-      " was not started: it is the second collective of a backward node "
-      "declared with run_in_lane, whose backward must run one collective, in "
-      "the backward of microbatch ",
-      backward->microbatch,
-      ", which runs beside the next microbatch's forward. The forward's "
-      "collectives are issued right behind a lane node's first one, so a "
-      "second could be ordered differently on each rank; it was refused on "
-      "every rank. Declare only Functions whose backward runs one collective, "
-      "or run that backward without the overlap.");
-  if (backward->finished || backward->forward_waits_for_all ||
-      starting_planned_collective()) {
-    return;
-  }
-  TORCH_CHECK(
-      false,
-      "torch_ext: ",
-      op.schema().name(),
-      " was started during the backward of microbatch ",
-      backward->microbatch,
-      ", which runs beside the next microbatch's forward, by something the "
-      "engine did not plan (a hook, or a backward nested in a node): it could "
-      "race the forward's collectives on another rank, so it was refused on "
-      "every rank. Run that backward without the overlap (DDP: only the last "
-      "microbatch syncs, so run the others under no_sync()), or make the "
-      "forward wait for the whole backward: "
-      "overlap_microbatches(forward_collectives='after_backward')");
+  refuse_unless_planned(op.schema().name(), *w.current);
 }
 
 void collective_gate(
@@ -385,6 +393,28 @@ PyObject* py_overlap_report_next_call(PyObject*, PyObject*) {
   std::lock_guard<std::mutex> lock(w.mutex);
   TORCH_INTERNAL_ASSERT(w.current != nullptr);
   report_next_call_to(w.current);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// _overlap_refuse_unless_planned(name): a functional collective `name` is
+// about to be issued on this thread (torch_ext/microbatches.py wraps the
+// call of torch.ops operators while the window is open: the op's kernel
+// reaches c10d with the Autograd key excluded, past the gate). Refuses it as
+// the gate refuses an unplanned c10d collective; nothing on the forward
+// thread (the observer makes it wait) or outside a backward in flight.
+PyObject* py_overlap_refuse_unless_planned(PyObject*, PyObject* name) {
+  HANDLE_TH_ERRORS
+  Window& w = window();
+  if (!w.open.load(std::memory_order_acquire) ||
+      std::this_thread::get_id() == w.forward_thread) {
+    Py_RETURN_NONE;
+  }
+  const std::string op_name = THPUtils_unpackString(name);
+  std::lock_guard<std::mutex> lock(w.mutex);
+  if (w.current != nullptr) {
+    refuse_unless_planned(op_name, *w.current);
+  }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -519,6 +549,10 @@ PyMethodDef overlap_methods[] = {
      METH_NOARGS,
      nullptr},
     {"_overlap_finish", py_overlap_finish, METH_O, nullptr},
+    {"_overlap_refuse_unless_planned",
+     py_overlap_refuse_unless_planned,
+     METH_O,
+     nullptr},
     {"_overlap_wait", py_overlap_wait, METH_NOARGS, nullptr},
     {"_overlap_enter_rng_section",
      py_overlap_enter_rng_section,

@@ -215,6 +215,10 @@ def _all_reduce_in_hook(microbatch: int) -> None:
     dist.all_reduce(torch.ones(1))
 
 
+def _functional_all_reduce_in_hook(microbatch: int) -> None:
+    funcol.all_reduce(torch.ones(1), "sum", dist.group.WORLD).wait()
+
+
 def _raise_in_hook(microbatch: int) -> None:
     if microbatch == 1:
         raise ValueError("a hook failed on microbatch 1")
@@ -253,6 +257,8 @@ def _run_errors(rank: int) -> dict:
     for name, hook, rule in (
         ("unplanned", _all_reduce_in_hook, "after_backward_collectives"),
         ("unplanned_after_backward", _all_reduce_in_hook, "after_backward"),
+        ("unplanned_functional", _functional_all_reduce_in_hook, "after_backward_collectives"),
+        ("unplanned_functional_after_backward", _functional_all_reduce_in_hook, "after_backward"),
         ("raises", _raise_in_hook, "after_backward_collectives"),
     ):
         try:
@@ -309,8 +315,20 @@ def test_a_collective_the_engine_did_not_plan_is_refused_on_every_rank(errors):
     assert any("microbatch 0" in note for note in notes), notes
 
 
+def test_a_functional_collective_the_engine_did_not_plan_is_refused_on_every_rank(errors):
+    """A hook's functional collective reaches c10d below the gate: the backward thread's torch-function mode
+    refuses it before it is issued."""
+    kinds = [result["unplanned_functional"] for result in errors]
+    assert kinds[0] == kinds[1], kinds
+    kind, message, notes = kinds[0]
+    assert kind == "RuntimeError", kinds
+    assert "_c10d_functional::all_reduce was started during the backward of microbatch 0" in message, message
+    assert any("microbatch 0" in note for note in notes), notes
+
+
 def test_waiting_for_the_whole_backward_lets_it_through(errors):
     assert [result["unplanned_after_backward"] for result in errors] == [None, None]
+    assert [result["unplanned_functional_after_backward"] for result in errors] == [None, None]
 
 
 def test_an_error_in_the_backward_surfaces_in_the_caller_naming_its_microbatch(errors):
@@ -342,7 +360,13 @@ def test_the_order_check_covers_the_overlap_rule(errors):
 
 def test_no_thread_is_left_behind(errors):
     for result in errors:
-        for name in ("unplanned", "unplanned_after_backward", "raises"):
+        for name in (
+            "unplanned",
+            "unplanned_after_backward",
+            "unplanned_functional",
+            "unplanned_functional_after_backward",
+            "raises",
+        ):
             assert "torch_ext-microbatch-backward" not in result[name + "_threads_after"], result
 
 
