@@ -14,7 +14,8 @@
 // recompute may issue collectives no plan holds). Any other collective
 // started while backward i runs (a hook's, a nested backward's, a lane
 // node's second) is refused with an error on every rank alike, before it
-// starts.
+// starts; a functional collective, which reaches c10d past the gate, through
+// _overlap_refuse_unless_planned, called from Python.
 //
 // RNG: a checkpoint's recompute sets the global generator to forward's state
 // and back. The backward thread does so only while the forward thread is
