@@ -49,7 +49,7 @@ dense layers took 98-105 ms of CPU back to back, 111-134 ms with a 0.5-8 ms slee
 adds more, and more as the model deepens (78-83 / 99-117 / 85-173 ms at x0.5 / x1 / x2 in three quick runs, stock
 39-64 / 83-91 / 25-73): the waits' cost, and two microbatches interleaving on one core (with the all_to_alls the
 identity, an overlapped step took 1.02-1.06 x the sequential one's time at 20 layers, 8 steps each). That part of
-its exposure, 0.29-0.37 of stock's exposure in those runs, no order of work removes here; the summary prints it.
+its exposure, 0.27-0.37 of stock's exposure in quick runs, no order of work removes here; the summary prints it.
 
 Peak memory: there are no allocator statistics on CPU, so one untimed step per variant counts the activations
 held at once: a saved-tensors pack hook tallies the bytes of every distinct storage autograd saved (parameters and
@@ -110,7 +110,7 @@ WORLD_SIZE = 2
 # Microbatches a step: 8, as gradient accumulation commonly uses; the unhideable floor is 3 / (4 x this) of stock's
 # exposure (above). Quick runs on an idle machine read the overlap's exposure 0.57-0.67 of stock's (step 0.84-0.87)
 # with 4, and 0.38-0.66 (step 0.76-0.89, 4 runs) with 8; with a lane's collective releasing the forward once
-# issued, 0.49-0.55 (step 0.81-0.85, 5 runs). The quick mode takes 140-160 s instead of 51.
+# issued, 0.47-0.55 (step 0.78-0.85, 9 runs). The quick mode takes 130-160 s instead of 51.
 N_MICROBATCHES = 8
 # Tokens each rank sends each expert per microbatch, and their width: 512 x 256 floats = 0.5 MiB to the other
 # rank per all_to_all, four all_to_alls a microbatch.
@@ -501,8 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             "(pip install torch==2.13.0 megatron-core==0.16.1 deepspeed==0.19.8)"
         )
         return 0
-    # 10 quick repetitions, not 6: three quick runs of 6 read the overlap's exposure 0.49-0.55 of stock's, three of
-    # 10 read 0.50-0.54 (the issue asks three runs within 0.05); 140-160 s a run instead of 72-92.
+    # 10 quick repetitions, not 6: five quick runs of 6 read the overlap's exposure 0.49-0.55 of stock's, four of
+    # 10 read 0.47-0.54 (the issue asks three runs within 0.05); 130-160 s a run instead of 72-92.
     config = sweep_config(args, NAME, quick_reps=10, reps=15)
     announce = (
         f"{NAME}: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {library}, {N_MICROBATCHES} microbatches, "
