@@ -457,15 +457,19 @@ _functional_collective_names: dict[Any, str] = {}
 
 def _functional_collective(func: Any) -> str | None:
     """The name of the functional collective ``func`` issues (an op of _FUNCTIONAL_NAMESPACES on a group: one that
-    takes a ``group_name``, not ``wait_tensor``), or None."""
+    takes a ``group_name`` or ``ranks``, not ``wait_tensor``), or None."""
     if not isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return None
     name = _functional_collective_names.get(func)
     if name is None:
-        overload = getattr(func, func.overloads()[0]) if isinstance(func, torch._ops.OpOverloadPacket) else func
-        schema = overload._schema
-        on_a_group = any(argument.name == "group_name" for argument in schema.arguments)
-        name = schema.name if on_a_group and schema.name.split("::")[0] in _FUNCTIONAL_NAMESPACES else ""
+        name = ""
+        overloads = [func] if isinstance(func, torch._ops.OpOverload) else [getattr(func, o) for o in func.overloads()]
+        if overloads:
+            schema = overloads[0]._schema
+            # The group: by name, or (the legacy namespace) by tag and ranks.
+            on_a_group = any(argument.name in ("group_name", "ranks") for argument in schema.arguments)
+            if on_a_group and schema.name.split("::")[0] in _FUNCTIONAL_NAMESPACES:
+                name = schema.name
         _functional_collective_names[func] = name
     return name or None
 
