@@ -441,6 +441,17 @@ def deepspeed_engine(tmp_path_factory) -> list[dict]:
     )
 
 
+def _check_engine_case(results: list[dict], case: str) -> None:
+    """``case`` ran on both ranks without error, its three optimizer steps gave stock's bits, and each step's
+    microbatches but the last were handed over."""
+    errors = [result[case].get("overlap_error") for result in results]
+    assert errors == [None, None], "\n".join(f"rank {rank}: {error}" for rank, error in enumerate(errors))
+    for result in results:
+        assert result[case]["overlap"]["global_steps"] == STEPS
+    _check_bits(results, case)
+    _check_handed_over(results, case, synchronous_last=True)
+
+
 @NEEDS_DEEPSPEED
 def test_deepspeed_engine_in_an_overlap_without_deferring_bits_equal_stocks(deepspeed_engine):
     """The overlap's window around deepspeed.initialize's loop, nothing handed over: stock's bits, every backward
@@ -472,12 +483,7 @@ def test_deepspeed_engine_in_an_overlap_without_deferring_bits_equal_stocks(deep
     ),
 )
 def test_deepspeed_engine_deferred_bits_equal_stocks(deepspeed_engine):
-    errors = [result["deferred"].get("overlap_error") for result in deepspeed_engine]
-    assert errors == [None, None], "\n".join(f"rank {rank}: {error}" for rank, error in enumerate(errors))
-    for result in deepspeed_engine:
-        assert result["deferred"]["overlap"]["global_steps"] == STEPS
-    _check_bits(deepspeed_engine, "deferred")
-    _check_handed_over(deepspeed_engine, "deferred", synchronous_last=True)
+    _check_engine_case(deepspeed_engine, "deferred")
 
 
 @NEEDS_DEEPSPEED
@@ -487,12 +493,7 @@ def test_deepspeed_engine_run_backward_bits_equal_stocks(deepspeed_engine):
     steps. The engine state both threads touch is only the throughput timer (tput_timer): the next forward's
     start() may come before the handed-over step()'s stop(), which then ends it, so the samples/sec figures are
     off; micro_steps and the boundary are read and written on one thread at a time."""
-    errors = [result["run_backward"].get("overlap_error") for result in deepspeed_engine]
-    assert errors == [None, None], "\n".join(f"rank {rank}: {error}" for rank, error in enumerate(errors))
-    for result in deepspeed_engine:
-        assert result["run_backward"]["overlap"]["global_steps"] == STEPS
-    _check_bits(deepspeed_engine, "run_backward")
-    _check_handed_over(deepspeed_engine, "run_backward", synchronous_last=True)
+    _check_engine_case(deepspeed_engine, "run_backward")
 
 
 @NEEDS_DEEPSPEED
@@ -501,9 +502,4 @@ def test_deepspeed_engine_run_backward_waiting_only_for_planned_collectives_bits
     collectives (top2gating's capacity all_reduce, the dispatch all_to_all) start once the handed backward's
     planned ones have, beside the rest of engine.backward and engine.step. Off the accumulation boundary they
     issue no collective (one would be refused, on both ranks): stock's bits."""
-    errors = [result["run_backward_planned"].get("overlap_error") for result in deepspeed_engine]
-    assert errors == [None, None], "\n".join(f"rank {rank}: {error}" for rank, error in enumerate(errors))
-    for result in deepspeed_engine:
-        assert result["run_backward_planned"]["overlap"]["global_steps"] == STEPS
-    _check_bits(deepspeed_engine, "run_backward_planned")
-    _check_handed_over(deepspeed_engine, "run_backward_planned", synchronous_last=True)
+    _check_engine_case(deepspeed_engine, "run_backward_planned")
