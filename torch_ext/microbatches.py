@@ -70,17 +70,24 @@ _FORWARD_COLLECTIVES = ("after_backward_collectives", "after_backward")
 _FORWARD_STOPPED_BY_BACKWARD = "running beside this forward, failed"
 
 
+def _waits_for_the_whole_backward(forward_collectives: str, api: str) -> bool:
+    """Whether the rule ``forward_collectives`` makes the next forward's collectives wait for the whole backward;
+    a ValueError naming ``api`` for an unknown rule."""
+    if forward_collectives not in _FORWARD_COLLECTIVES:
+        raise ValueError(
+            f"{api}: forward_collectives must be one of {_FORWARD_COLLECTIVES}, not {forward_collectives!r}"
+        )
+    return forward_collectives == "after_backward"
+
+
 class MicrobatchOverlap:
     """One overlap window; made by :func:`overlap_microbatches`, used as a context manager (or closed with
     :meth:`close`). One per process at a time, on the thread that opened it."""
 
     def __init__(self, forward_collectives: str = "after_backward_collectives") -> None:
-        if forward_collectives not in _FORWARD_COLLECTIVES:
-            raise ValueError(
-                f"torch_ext.overlap_microbatches: forward_collectives must be one of {_FORWARD_COLLECTIVES}, "
-                f"not {forward_collectives!r}"
-            )
-        self._forward_waits_for_all = forward_collectives == "after_backward"
+        self._forward_waits_for_all = _waits_for_the_whole_backward(
+            forward_collectives, "torch_ext.overlap_microbatches"
+        )
         self._forward_thread: threading.Thread | None = None
         self._backward_thread: threading.Thread | None = None
         self._jobs: list[Callable[[], None] | None] = []
@@ -138,17 +145,15 @@ class MicrobatchOverlap:
         dropped; what it raises is raised at the next wait point.
         """
         self._check_open("run_backward")
-        if forward_collectives not in _FORWARD_COLLECTIVES:
-            raise ValueError(
-                f"torch_ext: MicrobatchOverlap.run_backward: forward_collectives must be one of "
-                f"{_FORWARD_COLLECTIVES}, not {forward_collectives!r}"
-            )
+        forward_waits_for_all = _waits_for_the_whole_backward(
+            forward_collectives, "torch_ext: MicrobatchOverlap.run_backward"
+        )
 
         def run() -> None:
             with _engine._routed(None, "MicrobatchOverlap.run_backward"):
                 backward()
 
-        self._hand_over(run, forward_waits_for_all=forward_collectives == "after_backward")
+        self._hand_over(run, forward_waits_for_all=forward_waits_for_all)
 
     def _hand_over(self, run: Callable[[], None], forward_waits_for_all: bool) -> None:
         """Waits for the backward in flight, then starts ``run`` on the backward thread under this thread's
