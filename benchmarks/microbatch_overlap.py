@@ -16,6 +16,10 @@ its node, so a microbatch carries four all_to_alls, two in forward and two in ba
   overlap  the lane and ``torch_ext.overlap_microbatches()``: microbatch i's backward runs on the backward thread
            while the caller runs microbatch i+1's forward, so each phase's all_to_alls hide behind the other
            phase's compute (the forward's all_to_alls start once the backward's have started)
+  turns    the same with ``forward_collectives="in_turns_with_backward_collectives"``: the two phases' all_to_alls
+           take turns (backward's combine gradient, forward's dispatch, backward's dispatch gradient, forward's
+           combine), so the forward's dispatch no longer waits for the backward's dispatch gradient, and the
+           backward's dispatch gradient waits for the forward's dispatch
 
 T_comm is how long stock waits for one microbatch's four all_to_alls (forward and backward) with no dense layer
 (``_common.calibrate_t_comm`` over that microbatch: its blocked time, the median of 15 steps). The dense layers'
@@ -119,7 +123,9 @@ DIM = 256
 # Tokens of a microbatch on a rank (every dense layer reads them all).
 ROWS = WORLD_SIZE * CAPACITY
 MAX_DENSE_LAYERS = 64
-ENGINE_VARIANTS = ("stock", "lane", "overlap")
+ENGINE_VARIANTS = ("stock", "lane", "overlap", "turns")
+# The variants that overlap microbatches, and their rule for the forward's collectives.
+OVERLAPPED_VARIANTS = {"overlap": "after_backward_collectives", "turns": "in_turns_with_backward_collectives"}
 TIMED_VARIANTS = ("compute", *ENGINE_VARIANTS)
 # The variants whose forward and backward run one after the other, so that each phase has its own time.
 PHASED_VARIANTS = ("compute", "stock", "lane")
@@ -182,8 +188,8 @@ def _accumulate(model: MoELayer, batches: Sequence[torch.Tensor], variant: str) 
     """The microbatches' forwards and backwards, gradients accumulated, under the variant's engine (entered by the
     caller); (forward seconds, backward seconds) summed over the microbatches, both 0 for the overlap."""
     communicate = variant != "compute"
-    if variant == "overlap":
-        with torch_ext.overlap_microbatches() as overlap:
+    if variant in OVERLAPPED_VARIANTS:
+        with torch_ext.overlap_microbatches(OVERLAPPED_VARIANTS[variant]) as overlap:
             for tokens in batches:
                 overlap.backward(model(tokens, communicate))
         return 0.0, 0.0
@@ -296,7 +302,7 @@ def _saved_peak(model: MoELayer, batches, variant: str, function: type) -> dict[
     model.zero_grad(set_to_none=True)
     one_microbatch = 0
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), variant_engine(variant, function):
-        if variant == "overlap":
+        if variant in OVERLAPPED_VARIANTS:
             _accumulate(model, batches, variant)
         else:
             for tokens in batches:
@@ -484,6 +490,16 @@ def print_summary(rows: Sequence[SummaryRow]) -> None:
             f"{len(below)}/{len(points)} points; saved activations' peak {overlap['saved_peak_ratio']:.2f} x stock's "
             f"(stock's + one microbatch's: {overlap['one_more_ratio']:.2f})"
         )
+        turns = of_case.get("turns")
+        if turns is None:
+            continue
+        by_point = ", ".join(
+            f"{p} {turns[f'exposed_fraction {p}']:.2f}/{overlap[f'exposed_fraction {p}']:.2f}" for p in points
+        )
+        print(
+            f"turns: exposed {turns['exposed_fraction']:.2f} of stock's, step {turns['ratio']:.2f} x stock's; "
+            f"exposed against the overlap's by point: {by_point}"
+        )
 
 
 def _rows_by_key(rows: Sequence[dict]) -> dict:
@@ -532,6 +548,7 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
         link = rows[("stock", points[0][1], "step_ms")]["size"].rpartition(", ")[2]
         t_comm = rows.get(("comm", library, "t_comm_ms"))
         lane_fractions = _per_point(rows, "lane", points, "exposed_ms")
+        overlap_fractions = _per_point(rows, "overlap", points, "exposed_ms")
         # What "one more microbatch's activations" allows: stock's peak and one microbatch's, over stock's peak.
         one_more = statistics.mean(
             1
@@ -539,6 +556,8 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
             for _, case in points
         )
         for variant in ENGINE_VARIANTS:
+            if (variant, points[0][1], "exposed_ms") not in rows:
+                continue  # a CSV from before the variant was measured
             fractions = _per_point(rows, variant, points, "exposed_ms")
             steps = _per_point(rows, variant, points, "step_ms")
             memory = _per_point(rows, variant, points, "saved_peak_mib")
@@ -577,6 +596,9 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
                     f"({'met' if values['exposed_fraction'] <= AIM_EXPOSED_FRACTION else 'not met'}), step <= "
                     f"{AIM_STEP_RATIO:.2f} x stock's ({'met' if values['ratio'] <= AIM_STEP_RATIO else 'not met'})"
                 )
+            if variant == "turns":
+                below_overlap = sum(f < o for f, o in zip(fractions, overlap_fractions, strict=True))
+                notes += f"; below the overlap's exposed at {below_overlap}/{len(points)} points"
             if variant == "stock" and t_comm is not None:
                 notes += f"; T_comm {t_comm['median']:.3g} ms a microbatch" + load_note(rows, NAME)
             summary.append(

@@ -40,7 +40,10 @@ What is guaranteed, against the same loop run sequentially on stock PyTorch, bit
   starts) wait until backward i has started every collective the engine planned for it. A collective the engine
   did not plan (a hook's, a nested backward's) started while backward i runs is refused with an error on every
   rank, before it starts: DDP's gradient all_reduce belongs in the step's last microbatch, outside the overlap
-  or with ``no_sync()`` around the others.
+  or with ``no_sync()`` around the others. With ``forward_collectives="in_turns_with_backward_collectives"`` the
+  two threads' collectives take turns instead, the backward's first (its first, the forward's first, its second,
+  ...), until one has none left; the backward's collectives then also wait for the forward's, which is why the
+  forward signals, at every wait point above, that it issues no more before the backward ends.
 - RNG: a microbatch whose forward saved the RNG state (every activation checkpoint does, to replay dropout in its
   recompute) makes the next forward's collectives wait for the whole backward (the recompute may issue
   collectives no plan holds), and the backward thread reads or sets the RNG state only while the caller's thread
@@ -64,20 +67,21 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch_ext import engine as _engine
 from torch_ext._loader import _C
 
-_FORWARD_COLLECTIVES = ("after_backward_collectives", "after_backward")
+# The rules for the next forward's collectives, by their values in bindings/python_overlap.cpp's ForwardRule.
+_FORWARD_COLLECTIVES = {"after_backward_collectives": 0, "after_backward": 1, "in_turns_with_backward_collectives": 2}
 # What the collective gate's error says when the forward's collective was not started because the backward
 # beside it had failed (bindings/python_overlap.cpp).
 _FORWARD_STOPPED_BY_BACKWARD = "running beside this forward, failed"
 
 
-def _waits_for_the_whole_backward(forward_collectives: str, api: str) -> bool:
-    """Whether the rule ``forward_collectives`` makes the next forward's collectives wait for the whole backward;
-    a ValueError naming ``api`` for an unknown rule."""
+def _checked_rule(forward_collectives: str, api: str) -> str:
+    """``forward_collectives``, the rule for the next forward's collectives; a ValueError naming ``api`` for an
+    unknown one."""
     if forward_collectives not in _FORWARD_COLLECTIVES:
         raise ValueError(
-            f"{api}: forward_collectives must be one of {_FORWARD_COLLECTIVES}, not {forward_collectives!r}"
+            f"{api}: forward_collectives must be one of {tuple(_FORWARD_COLLECTIVES)}, not {forward_collectives!r}"
         )
-    return forward_collectives == "after_backward"
+    return forward_collectives
 
 
 class MicrobatchOverlap:
@@ -85,9 +89,7 @@ class MicrobatchOverlap:
     :meth:`close`). One per process at a time, on the thread that opened it."""
 
     def __init__(self, forward_collectives: str = "after_backward_collectives") -> None:
-        self._forward_waits_for_all = _waits_for_the_whole_backward(
-            forward_collectives, "torch_ext.overlap_microbatches"
-        )
+        self._forward_rule = _checked_rule(forward_collectives, "torch_ext.overlap_microbatches")
         self._forward_thread: threading.Thread | None = None
         self._backward_thread: threading.Thread | None = None
         self._jobs: list[Callable[[], None] | None] = []
@@ -129,7 +131,7 @@ class MicrobatchOverlap:
             with _engine._routed(priorities, "MicrobatchOverlap.backward"):
                 _engine._STOCK_BACKWARD(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
 
-        self._hand_over(run, forward_waits_for_all=self._forward_waits_for_all)
+        self._hand_over(run, self._forward_rule)
 
     def run_backward(self, backward: Callable[[], object], *, forward_collectives: str = "after_backward") -> None:
         """Hands ``backward``, any code that runs one backward (a library's ``engine.backward(loss)`` with its
@@ -141,36 +143,36 @@ class MicrobatchOverlap:
         it. ``"after_backward_collectives"`` lets them start once that call has started its planned collectives,
         as :meth:`backward` does; then any other collective ``backward`` starts meanwhile is refused with a
         RuntimeError on every rank (for code that issues none until the step's last microbatch: DeepSpeed's
-        ``engine.backward`` and ``engine.step`` off the accumulation boundary). What ``backward`` returns is
-        dropped; what it raises is raised at the next wait point.
+        ``engine.backward`` and ``engine.step`` off the accumulation boundary), and
+        ``"in_turns_with_backward_collectives"`` makes them take turns (:func:`overlap_microbatches`). What
+        ``backward`` returns is dropped; what it raises is raised at the next wait point.
         """
         self._check_open("run_backward")
-        forward_waits_for_all = _waits_for_the_whole_backward(
-            forward_collectives, "torch_ext: MicrobatchOverlap.run_backward"
-        )
+        rule = _checked_rule(forward_collectives, "torch_ext: MicrobatchOverlap.run_backward")
 
         def run() -> None:
             with _engine._routed(None, "MicrobatchOverlap.run_backward"):
                 backward()
 
-        self._hand_over(run, forward_waits_for_all=forward_waits_for_all)
+        self._hand_over(run, rule)
 
-    def _hand_over(self, run: Callable[[], None], forward_waits_for_all: bool) -> None:
+    def _hand_over(self, run: Callable[[], None], rule: str) -> None:
         """Waits for the backward in flight, then starts ``run`` on the backward thread under this thread's
-        thread-local state."""
+        thread-local state, the next forward's collectives starting by ``rule``."""
         self.wait()
         microbatch = self._microbatch
         self._microbatch += 1
         # A forward that saved the RNG state may recompute, with collectives no plan holds.
-        forward_waits_for_all = forward_waits_for_all or self._saved_rng_state
+        if self._saved_rng_state:
+            rule = "after_backward"
         self._saved_rng_state = False
         state = _C._capture_thread_state()
         stream = _current_accelerator_stream()
-        _C._overlap_hand_over(microbatch, forward_waits_for_all)
+        _C._overlap_hand_over(microbatch, _FORWARD_COLLECTIVES[rule])
         self._in_flight = microbatch
 
         def job() -> None:
-            _handed.backward = (microbatch, forward_waits_for_all)
+            _handed.backward = (microbatch, rule)
             if stream is not None:
                 # Streams are not part of the thread-local state: the caller's current stream becomes the
                 # backward thread's, so that backward ends by making it wait for the leaf streams (stock's rule:
@@ -479,13 +481,14 @@ def _functional_collective(func: Any) -> str | None:
     return name or None
 
 
-# The backward thread's handed backward: (microbatch, whether the next forward's collectives wait for all of it).
+# The backward thread's handed backward: (microbatch, the rule for the next forward's collectives).
 _handed = threading.local()
 
 
-def handed_backward() -> tuple[int, bool] | None:
-    """The backward this thread runs for an overlap, as ``(microbatch, forward waits for all of it)``; None on any
-    other thread (the collective order check compares it across ranks)."""
+def handed_backward() -> tuple[int, str] | None:
+    """The backward this thread runs for an overlap, as ``(microbatch, the rule for the next forward's collectives)``
+    (a ``forward_collectives`` value); None on any other thread (the collective order check compares it across
+    ranks)."""
     return getattr(_handed, "backward", None)
 
 
@@ -494,9 +497,18 @@ def overlap_microbatches(forward_collectives: str = "after_backward_collectives"
     backward thread while this thread goes on with the next microbatch's forward (see the module's text for what
     is guaranteed).
 
-    ``forward_collectives``: ``"after_backward_collectives"`` (the default) lets the forward's collectives start
-    once the backward has started every collective the engine planned for it; ``"after_backward"`` makes them
-    wait for the whole backward, for code whose backward issues collectives the engine cannot see.
+    ``forward_collectives``, when the next forward's collectives may start:
+
+    - ``"after_backward_collectives"`` (the default): once the backward has started every collective the engine
+      planned for it.
+    - ``"in_turns_with_backward_collectives"``: in turns with those, the backward's first: the forward's k-th once
+      the backward has started k+1, the backward's (k+1)-th once the forward has issued k (or waits for the
+      backward to end). The forward's first collective no longer waits for the backward's last, at the cost of
+      making the backward's wait for the forward's: better where the compute beside an all_to_all is shorter than
+      it (``benchmarks/microbatch_overlap.py``), worse where it is longer. Where the engine does not hold the
+      backward's collectives to the plan's order (no lane node and no order check), the same as the default.
+    - ``"after_backward"``: once the whole backward has finished, for code whose backward issues collectives the
+      engine cannot see.
     """
     overlap = MicrobatchOverlap(forward_collectives)
     overlap._open()

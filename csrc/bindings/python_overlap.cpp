@@ -4,14 +4,22 @@
 // microbatch's forward.
 //
 // The collective order rule, enforced here for every c10d collective through
-// a kernel at the Autograd key of the c10d operators (the collective gate):
-// on every process group, each rank issues all the collectives backward i's
-// plan starts, then forward i+1's, then backward i+1's. The forward thread's
-// collectives wait until backward i has started every collective its plan
-// holds (engine/collective_progress.h; a lane node's counts as started once
-// the gate has seen it issued), or until it has finished, when the
-// microbatch saved the RNG state in forward (an activation checkpoint, whose
-// recompute may issue collectives no plan holds). Any other collective
+// a kernel at the Autograd key of the c10d operators (the collective gate)
+// and an observer of the forward thread's ops: on every process group, each
+// rank issues all the collectives backward i's plan starts, then forward
+// i+1's, then backward i+1's. The forward thread's collectives wait until
+// backward i has started every collective its plan holds (engine/
+// collective_progress.h; a lane node's counts as started once the gate has
+// seen it issued), or until it has finished, when the microbatch saved the
+// RNG state in forward (an activation checkpoint, whose recompute may issue
+// collectives no plan holds). Asked to (forward_collectives=
+// "in_turns_with_backward_collectives") and where the backward's
+// collectives wait for their turns (a call that runs them in sequence), the
+// two threads' collectives take turns instead, the backward's first (B0 F0
+// B1 F1 ...), until one thread has none left, then the other's rest: the
+// forward's k-th waits until backward i has started k+1, backward i's k-th
+// until the forward has issued k (the observer counts them) or waits for
+// backward i to end. Any other collective
 // started while backward i runs (a hook's, a nested backward's, a lane
 // node's second) is refused with an error on every rank alike, before it
 // starts; a functional collective, which reaches c10d past the gate, through
@@ -51,28 +59,72 @@ namespace {
 // How often a parked forward thread looks for Ctrl-C.
 constexpr auto kSignalPollInterval = std::chrono::milliseconds(50);
 
+// When the forward thread's collectives may start, beside a backward
+// (overlap_microbatches' forward_collectives; torch_ext/microbatches.py
+// passes the value).
+enum class ForwardRule : int {
+  // Once the backward has started every collective its plan holds.
+  kAfterPlannedCollectives = 0,
+  // Once the whole backward has finished.
+  kAfterBackward = 1,
+  // In turns with the backward's planned collectives, where the backward's
+  // take turns (in sequence); otherwise as kAfterPlannedCollectives.
+  kInTurns = 2,
+};
+
 // One backward handed to the backward thread.
 struct HandedBackward final : CollectiveProgress {
-  HandedBackward(int64_t microbatch, bool forward_waits_for_all)
-      : microbatch(microbatch), forward_waits_for_all(forward_waits_for_all) {}
+  HandedBackward(int64_t microbatch, ForwardRule rule)
+      : microbatch(microbatch),
+        forward_waits_for_all(rule == ForwardRule::kAfterBackward),
+        forward_takes_turns(rule == ForwardRule::kInTurns) {}
 
-  void planned(size_t count) override;
+  void planned(size_t count, bool in_turns) override;
+  void may_start(size_t place) override;
   void started_one() override;
+  void abandoned() override;
 
-  // Whether the forward thread's collectives may start (under the window's
-  // mutex).
+  // Whether the forward thread's next collective may start (under the
+  // window's mutex): once every planned collective has started, or, in
+  // turns, once the backward's has started one more than the forward has
+  // issued.
   bool releases_forward() const {
-    return finished ||
-        (!forward_waits_for_all && planned_count.has_value() &&
-         started >= *planned_count);
+    if (finished) {
+      return true;
+    }
+    if (forward_waits_for_all || !planned_count.has_value()) {
+      return false;
+    }
+    return started >= *planned_count ||
+        (in_turns && !forward_done && started > forward_issued);
+  }
+
+  // Whether the backward's collective at `place` may be issued (under the
+  // window's mutex): once the forward has issued as many, or has stopped
+  // issuing them (it is waiting for this backward to finish; from then on
+  // its collectives wait for all the backward's, releases_forward).
+  bool backward_may_start(size_t place) const {
+    return !in_turns || forward_waits_for_all || forward_done ||
+        forward_issued >= place;
   }
 
   const int64_t microbatch;
   // The forward waits for the whole backward, not only its planned
   // collectives.
   const bool forward_waits_for_all;
+  // The forward asked to take turns with the backward's collectives.
+  const bool forward_takes_turns;
   std::optional<size_t> planned_count;
+  // The two threads' collectives take turns: the forward asked to, and the
+  // backward's wait for their turns (may_start).
+  bool in_turns = false;
   size_t started = 0;
+  // The collectives the forward thread has issued since the hand-over.
+  size_t forward_issued = 0;
+  // The forward thread waited for this backward to finish.
+  bool forward_done = false;
+  // The engine call failed (abandoned()).
+  bool failed = false;
   bool finished = false;
   // Why it failed; empty if it did not.
   std::string error;
@@ -100,10 +152,18 @@ Window& window() {
   return *instance;
 }
 
-void HandedBackward::planned(size_t count) {
+void HandedBackward::planned(size_t count, bool in_turns) {
   Window& w = window();
   std::lock_guard<std::mutex> lock(w.mutex);
   planned_count = count;
+  this->in_turns = forward_takes_turns && in_turns;
+  w.changed.notify_all();
+}
+
+void HandedBackward::abandoned() {
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  failed = true;
   w.changed.notify_all();
 }
 
@@ -170,6 +230,18 @@ class ReleaseGilIfHeld {
   std::optional<pybind11::gil_scoped_release> release_;
 };
 
+void HandedBackward::may_start(size_t place) {
+  Window& w = window();
+  ReleaseGilIfHeld no_gil;
+  std::unique_lock<std::mutex> lock(w.mutex);
+  w.changed.wait(lock, [&] { return failed || backward_may_start(place); });
+  TORCH_CHECK(
+      !failed,
+      "torch_ext: a collective of the backward of microbatch ",
+      microbatch,
+      " was not started: that backward failed first");
+}
+
 // The forward thread waits before its collective until the backward in
 // flight releases it. Returns that backward (null if none).
 std::shared_ptr<HandedBackward> forward_waits_its_turn(
@@ -185,6 +257,18 @@ std::shared_ptr<HandedBackward> forward_waits_its_turn(
   return backward;
 }
 
+// Whether `fn` is a gated c10d collective dispatched on the forward thread
+// of an open window.
+bool is_forward_collective(const at::RecordFunction& fn) {
+  const char* name = fn.name();
+  if (std::strncmp(name, "c10d::", 6) != 0 || !is_gated(name)) {
+    return false;
+  }
+  const Window& w = window();
+  return w.open.load(std::memory_order_acquire) &&
+      std::this_thread::get_id() == w.forward_thread;
+}
+
 // RecordFunction's start callback on the forward thread, for every op it
 // dispatches: a c10d collective reached with the Autograd key excluded (a
 // functional collective's kernel calls c10d under autograd's fallback) skips
@@ -192,15 +276,10 @@ std::shared_ptr<HandedBackward> forward_waits_its_turn(
 // Ctrl-C re-arms the interrupt for Python to raise once the op returns.
 std::unique_ptr<at::ObserverContext> on_forward_op(
     const at::RecordFunction& fn) {
-  const char* name = fn.name();
-  if (std::strncmp(name, "c10d::", 6) != 0 || !is_gated(name)) {
+  if (!is_forward_collective(fn)) {
     return nullptr;
   }
   Window& w = window();
-  if (!w.open.load(std::memory_order_acquire) ||
-      std::this_thread::get_id() != w.forward_thread) {
-    return nullptr;
-  }
   try {
     std::unique_lock<std::mutex> lock(w.mutex);
     forward_waits_its_turn(lock);
@@ -211,6 +290,22 @@ std::unique_ptr<at::ObserverContext> on_forward_op(
   } catch (...) {
   }
   return nullptr;
+}
+
+// Its end callback: the collective has been issued (a c10d op returns once
+// its work is queued on the group), which lets the backward's next one go
+// (HandedBackward::backward_may_start). Counted here, where the gate's
+// collectives and the functional ones both pass.
+void on_forward_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
+  if (!is_forward_collective(fn)) {
+    return;
+  }
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  if (w.current != nullptr && !w.current->finished) {
+    ++w.current->forward_issued;
+    w.changed.notify_all();
+  }
 }
 
 // On a backward-side thread (the backward thread, its lanes): refuses the
@@ -342,7 +437,7 @@ PyObject* py_overlap_open(PyObject*, PyObject*) {
   w.forward_parked = false;
   w.rng_section.reset();
   w.forward_observer = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(on_forward_op)
+      at::RecordFunctionCallback(on_forward_op, on_forward_op_end)
           .scopes({at::RecordScope::FUNCTION}));
   w.open.store(true, std::memory_order_release);
   Py_RETURN_NONE;
@@ -367,21 +462,27 @@ PyObject* py_overlap_close(PyObject*, PyObject*) {
   END_HANDLE_TH_ERRORS
 }
 
-// _overlap_hand_over(microbatch, forward_waits_for_all): the backward of
-// `microbatch` is about to start on the backward thread; the previous one has
-// finished.
+// _overlap_hand_over(microbatch, rule): the backward of `microbatch` is
+// about to start on the backward thread, the forward's collectives starting
+// by `rule` (a ForwardRule's value); the previous one has finished.
 PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   long long microbatch = 0;
-  int waits_for_all = 0;
-  if (!PyArg_ParseTuple(args, "Lp", &microbatch, &waits_for_all)) {
+  int rule = 0;
+  if (!PyArg_ParseTuple(args, "Li", &microbatch, &rule)) {
     return nullptr;
   }
+  TORCH_CHECK(
+      rule >= 0 && rule <= static_cast<int>(ForwardRule::kInTurns),
+      "torch_ext: _overlap_hand_over: no forward rule ",
+      rule);
   check_forward_thread("hand_over");
   Window& w = window();
   std::lock_guard<std::mutex> lock(w.mutex);
   TORCH_INTERNAL_ASSERT(w.current == nullptr || w.current->finished);
-  w.current = std::make_shared<HandedBackward>(microbatch, waits_for_all != 0);
+  w.current = std::make_shared<HandedBackward>(
+      microbatch,
+      static_cast<ForwardRule>(rule));
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -453,6 +554,12 @@ PyObject* py_overlap_wait(PyObject*, PyObject*) {
   pybind11::gil_scoped_release no_gil;
   std::unique_lock<std::mutex> lock(w.mutex);
   const std::shared_ptr<HandedBackward> backward = w.current;
+  if (backward != nullptr && !backward->finished) {
+    // No collective of the forward's comes before this backward ends: the
+    // backward's wait for none (HandedBackward::backward_may_start).
+    backward->forward_done = true;
+    w.changed.notify_all();
+  }
   park_forward_until(lock, [&] {
     return backward == nullptr || backward->finished;
   });

@@ -2,10 +2,14 @@
 
 // What a backward run beside the next microbatch's forward tells the thread
 // that handed it over (torch_ext.overlap_microbatches, bindings/
-// python_overlap.cpp): how many collectives its plan starts, and when each
-// has been started. The forward thread's own collectives wait until every
-// one of them has, so on every group each rank issues the backward's
-// collectives first and the forward's after, whatever the timing.
+// python_overlap.cpp), and where it waits for that thread: how many
+// collectives its plan starts, when each may start and when each has. On
+// every group each rank then issues the two threads' collectives in one
+// order, whatever the timing: by default the backward's all, then the
+// forward's; or, where the forward asked for it and the call holds its
+// collectives to the plan's order (runs them in sequence), in turns, the
+// backward's first, then the forward's first, the backward's second, and
+// so on, while both have some.
 //
 // Two thread-locals carry it, so the engine's entry points need no new
 // argument: the target the next call made on this thread reports to, and
@@ -21,13 +25,25 @@ namespace torch_ext {
 class CollectiveProgress {
  public:
   virtual ~CollectiveProgress() = default;
-  // The call's plan is made: it starts `count` collectives.
-  virtual void planned(size_t count) = 0;
+  // The call's plan is made: it starts `count` collectives. `in_turns`:
+  // each asks for its turn (may_start) before it is issued, in the plan's
+  // order, so the forward's may go between them; otherwise the forward's
+  // wait for all of them.
+  virtual void planned(size_t count, bool in_turns) = 0;
+  // Blocks until the collective at `place` in the plan's order (0 first)
+  // may be issued: when the threads take turns, once the forward thread has
+  // issued `place` collectives of its own, or has none left to issue before
+  // this backward ends; at once otherwise.
+  // Throws once the call has failed (abandoned): a collective that waited
+  // must not be issued after the ranks' sequences have parted.
+  virtual void may_start(size_t place) = 0;
   // One of them was started: its collective has been issued (a lane
   // node's, see IssuingLaneNode), or its apply() returned (on the engine
   // thread, an asynchronous collective is then in flight; a lane node whose
   // collective the gate did not see has finished it).
   virtual void started_one() = 0;
+  // The call failed: nothing it planned and has not started will start.
+  virtual void abandoned() = 0;
 };
 
 // The lane node of a reporting call that a lane thread is running. Its

@@ -7,7 +7,7 @@ tokens-per-expert counts in forward (as Megatron-core's alltoall dispatcher does
 all_to_all through a synchronous autograd Function (Megatron-core's and DeepSpeed's ``_AllToAll``) whose backward
 runs in a lane. Forward i+1 issues its collectives on the same group while backward i's lane issues its own: the
 collective order rule keeps every rank's sequence the same, which the log of collectives checks on both ranks,
-with one rank's backward made late.
+with one rank's backward made late (and, in one case, the other rank's forward).
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ class ExpertAllToAll(torch.autograd.Function):
 
 
 LATE_RANK: list[int] = []
+# The rank whose forward sleeps before each layer's first collective (the late_forward case): its backward's next
+# collective would otherwise go ahead of the forward's, while the other rank's goes behind it.
+LATE_FORWARD: list[int] = []
 
 
 class MoELayer(nn.Module):
@@ -87,6 +90,8 @@ class MoELayer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self._dense(self.pre, tokens)
+        if LATE_FORWARD and dist.get_rank() == LATE_FORWARD[0]:
+            time.sleep(0.03)
         counts = torch.tensor([h.shape[0]], dtype=torch.int64)
         gathered = torch.empty(dist.get_world_size(), dtype=torch.int64)
         issued = dist.all_gather_into_tensor(gathered, counts, async_op=True)
@@ -125,7 +130,9 @@ def _train(rank: int, overlapped: bool, case: str) -> dict:
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
         # Undeclared (the hooks case), the all_to_all's backward is a node the engine does not plan: the forward
         # waits for the whole backward.
-        rule = "after_backward" if case == "hooks" else "after_backward_collectives"
+        rule = {"hooks": "after_backward", "in_turns": IN_TURNS, "late_forward": IN_TURNS}.get(
+            case, "after_backward_collectives"
+        )
         opened = torch_ext.overlap_microbatches(forward_collectives=rule) if overlapped else contextlib.nullcontext()
         with opened as overlap:
             for tokens in batches:
@@ -145,7 +152,9 @@ def _train(rank: int, overlapped: bool, case: str) -> dict:
     return result
 
 
-CASES = ("plain", "hooks", "autocast", "reentrant", "non_reentrant")
+IN_TURNS = "in_turns_with_backward_collectives"
+# in_turns and late_forward: the forward's collectives take turns with the backward's.
+CASES = ("plain", "in_turns", "late_forward", "hooks", "autocast", "reentrant", "non_reentrant")
 
 
 def _run_bits(rank: int) -> dict:
@@ -158,6 +167,7 @@ def _run_bits(rank: int) -> dict:
             # Undeclared, the engine runs stock's order (a lane runs the dense path while it communicates, which
             # moves hooks): the overlap itself keeps whatever order the engine has, so hooks run in stock's.
             torch_ext.unregister_collective_backward(ExpertAllToAll)
+        LATE_FORWARD[:] = [0] if case == "late_forward" else []
         results[case] = {"stock": _train(rank, False, case), "overlap": _train(rank, True, case)}
         if case == "hooks":
             torch_ext.run_in_lane(ExpertAllToAll)
@@ -178,21 +188,36 @@ def test_every_loss_gradient_and_parameter_is_stocks(bits, case):
         assert overlap["hooks"] == stock["hooks"], (rank, case)
 
 
-def _expected_order(case: str) -> list[tuple[str, str]]:
+def _sequential_order() -> list[tuple[str, str]]:
     """Per microbatch: its forward's collectives (all_gather, dispatch, combine per layer), then its backward's
-    two all_to_alls per layer; forward i+1's come after backward i's."""
+    two all_to_alls per layer."""
     forward = [("F", "all_gather"), ("F", "all_to_all"), ("F", "all_to_all")] * 2
     backward = [("B", "all_to_all"), ("B", "all_to_all")] * 2
     return (forward + backward) * MICROBATCHES * STEPS
+
+
+def _overlapped_order(case: str) -> list[tuple[str, str]]:
+    """Stock's sequential order (forward i+1's collectives after backward i's), except where they take turns:
+    backward i's and forward i+1's alternate, the backward's first (B F B F B F B F, then the forward's last
+    two)."""
+    if case not in ("in_turns", "late_forward"):
+        return _sequential_order()
+    forward = [("F", "all_gather"), ("F", "all_to_all"), ("F", "all_to_all")] * 2
+    backward = [("B", "all_to_all")] * 4
+    in_turns = [entry for pair in zip(backward, forward[:4]) for entry in pair] + forward[4:]
+    # Each step: microbatch 0's forward alone, then the turns of backward i and forward i+1, then the last backward
+    # alone (the block's end waits for it, so its collectives have no forward's to take turns with).
+    return (forward + in_turns * (MICROBATCHES - 1) + backward) * STEPS
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_collectives_run_in_one_order_on_every_rank(bits, case):
     for rank, result in enumerate(bits):
         stock, overlap = result[case]["stock"]["collectives"], result[case]["overlap"]["collectives"]
-        assert [entry[:2] for entry in stock] == _expected_order(case), (rank, case)
-        # Overlapped: the same collectives in the same order, the backward's off the forward thread.
-        assert [entry[:2] for entry in overlap] == _expected_order(case), (rank, case)
+        assert [entry[:2] for entry in stock] == _sequential_order(), (rank, case)
+        # Overlapped: the same collectives in one order on both ranks, however late rank 1's backward is, the
+        # backward's off the forward thread.
+        assert [entry[:2] for entry in overlap] == _overlapped_order(case), (rank, case)
         assert all(on_forward_thread == (phase == "F") for phase, _, on_forward_thread in overlap), (rank, case)
 
 
@@ -240,6 +265,42 @@ class TwoAllToAllsInBackward(torch.autograd.Function):
         return twice
 
 
+class FailingAllToAll(torch.autograd.Function):
+    """An all_to_all in backward over ``group`` that raises instead, before issuing it, in microbatch 1's
+    backward, on every rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, microbatch: int) -> torch.Tensor:
+        ctx.group = group
+        ctx.microbatch = microbatch
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.microbatch == 1:
+            raise ValueError("a lane node failed on microbatch 1")
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None, None
+
+
+def _a_lane_node_fails_while_another_waits_its_turn(rank: int, other_group: dist.ProcessGroup) -> None:
+    """Two lane nodes on two groups, side by side, taking turns with the forward's collectives: the first in the
+    plan's order raises before issuing its collective, so the forward's next collective never gets its turn; the
+    second waits for its own turn, after that forward collective, on its own lane, and must give up when the
+    backward fails instead of waiting for a forward that waits for it."""
+    torch.manual_seed(rank)
+    linear = nn.Linear(DIM, DIM)
+    with torch_ext.overlap_microbatches(forward_collectives=IN_TURNS) as overlap:
+        for microbatch in range(MICROBATCHES):
+            h = linear(torch.randn(2 * TOKENS, DIM))
+            dist.all_reduce(torch.ones(1))  # the forward's collective, which waits for the backward's first
+            out = FailingAllToAll.apply(h, dist.group.WORLD, microbatch) + FailingAllToAll.apply(
+                h.tanh(), other_group, microbatch
+            )
+            overlap.backward(out.square().mean())
+
+
 def _two_collectives_in_a_lane_node(rank: int) -> None:
     torch.manual_seed(rank)
     linear = nn.Linear(DIM, DIM)
@@ -279,6 +340,16 @@ def _run_errors(rank: int) -> dict:
     finally:
         torch_ext.unregister_collective_backward(TwoAllToAllsInBackward)
     _small_step(model, rank, 1)
+    torch_ext.run_in_lane(FailingAllToAll)
+    try:
+        _a_lane_node_fails_while_another_waits_its_turn(rank, dist.new_group([0, 1]))
+        results["abandoned"] = None
+    except ValueError as error:
+        results["abandoned"] = (str(error), getattr(error, "__notes__", []))
+    finally:
+        torch_ext.unregister_collective_backward(FailingAllToAll)
+    _small_step(model, rank, 1)
+    results["abandoned_threads_after"] = sorted(t.name for t in threading.enumerate())
     # The order check covers the overlap: rank 0's forward of microbatch 1 saves the RNG state (as a checkpoint
     # would on that rank only), so its backward makes the next forward's collectives wait for all of it, and
     # rank 1's does not. Both ranks raise before backward 1 starts a collective.
@@ -348,6 +419,14 @@ def test_a_second_collective_of_a_lane_node_is_refused_on_every_rank(errors):
     ), message
     assert "in the backward of microbatch 0" in message, message
     assert any("the backward of microbatch 0" in note for note in notes), notes
+
+
+def test_a_failed_backward_releases_a_lane_waiting_for_its_turn(errors):
+    for result in errors:
+        message, notes = result["abandoned"]
+        assert message == "a lane node failed on microbatch 1", result["abandoned"]
+        assert any("the backward of microbatch 1" in note for note in notes), notes
+        assert "torch_ext-microbatch-backward" not in result["abandoned_threads_after"], result
 
 
 def test_the_order_check_covers_the_overlap_rule(errors):

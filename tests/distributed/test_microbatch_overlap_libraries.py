@@ -1,6 +1,7 @@
 """Overlap across microbatches (``torch_ext.overlap_microbatches``) with the real libraries' MoE layers, on 2 gloo
 ranks: 4 microbatches per step, 3 AdamW steps, dropout in the model; every loss, every step's gradients and the
-final parameters must equal stock's sequential loop's bit for bit, on both ranks.
+final parameters must equal stock's sequential loop's bit for bit, on both ranks. The MoE layers run in a plain
+loop twice: with the default rule for the forward's collectives, and with them in turns with the backward's.
 
 - Megatron-core 0.16.1: ``MoELayer`` (``TopKRouter`` with its aux loss, ``MoEAlltoAllTokenDispatcher``,
   ``SequentialMLP`` experts), expert parallel size 2 through ``parallel_state``, the real ``_AllToAll``. Dropless,
@@ -63,9 +64,18 @@ def _record_thread(loss: torch.Tensor, threads: list[str]) -> None:
     loss.register_hook(lambda grad: threads.append(threading.current_thread().name) or grad)
 
 
-def _train(build: Callable[[], nn.Module], loss_of: Callable, rank: int, overlapped: bool) -> dict:
+IN_TURNS = "in_turns_with_backward_collectives"
+
+
+def _train(
+    build: Callable[[], nn.Module],
+    loss_of: Callable,
+    rank: int,
+    overlapped: bool,
+    rule: str = "after_backward_collectives",
+) -> dict:
     """STEPS AdamW steps of MICROBATCHES microbatches, sequentially with ``loss.backward()`` on stock's engine, or
-    with each microbatch's backward handed over (``overlap.backward``)."""
+    with each microbatch's backward handed over (``overlap.backward``), the forward's collectives by ``rule``."""
     torch.manual_seed(rank)  # each rank its own weights; the same in both runs
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -73,7 +83,8 @@ def _train(build: Callable[[], nn.Module], loss_of: Callable, rank: int, overlap
     for step in range(STEPS):
         torch.manual_seed(1000 * step + rank)  # the data, then dropout's draws, in forward order
         batches = [torch.randn(SEQUENCE, BATCH, DIM) for _ in range(MICROBATCHES)]
-        with torch_ext.overlap_microbatches() if overlapped else contextlib.nullcontext() as overlap:
+        opened = torch_ext.overlap_microbatches(rule) if overlapped else contextlib.nullcontext()
+        with opened as overlap:
             for tokens in batches:
                 loss = loss_of(model, tokens) / MICROBATCHES
                 result["losses"].append(loss.detach())
@@ -90,10 +101,14 @@ def _train(build: Callable[[], nn.Module], loss_of: Callable, rank: int, overlap
 
 
 def _check_bits(results: list[dict], case: str) -> None:
+    """Every overlapped run (``overlap``, and ``overlap_in_turns`` where it ran) against stock's."""
     for rank, result in enumerate(results):
-        stock, overlap = result[case]["stock"], result[case]["overlap"]
-        for what in ("losses", "grads", "params"):
-            assert_identical(overlap[what], stock[what], f"rank {rank} {case} {what}")
+        stock = result[case]["stock"]
+        for variant in ("overlap", "overlap_in_turns"):
+            if variant not in result[case]:
+                continue
+            for what in ("losses", "grads", "params"):
+                assert_identical(result[case][variant][what], stock[what], f"rank {rank} {case} {variant} {what}")
 
 
 def _check_handed_over(results: list[dict], case: str, synchronous_last: bool = False) -> None:
@@ -230,6 +245,8 @@ def _run_megatron(rank: int) -> dict:
             "stock": _train(build, _megatron_loss, rank, overlapped=False),
             "overlap": _train(build, _megatron_loss, rank, overlapped=True),
             "splits": list(_SPLITS),
+            # The forward's collectives (the counts' all_gather, dispatch, combine) in turns with the backward's.
+            "overlap_in_turns": _train(build, _megatron_loss, rank, overlapped=True, rule=IN_TURNS),
         }
     parallel_state.destroy_model_parallel()
     return results
@@ -320,6 +337,7 @@ def _run_deepspeed_moe(rank: int) -> dict:
         results[case] = {
             "stock": _train(build, _deepspeed_loss, rank, overlapped=False),
             "overlap": _train(build, _deepspeed_loss, rank, overlapped=True),
+            "overlap_in_turns": _train(build, _deepspeed_loss, rank, overlapped=True, rule=IN_TURNS),
         }
     return results
 

@@ -243,9 +243,13 @@ def _overlap_mismatch_message(ranks: list[int], overlaps: list[tuple | None]) ->
     def describe(overlap: tuple | None) -> str:
         if overlap is None:
             return "a backward not run beside a forward"
-        microbatch, waits_for_all = overlap
-        rule = "the whole backward" if waits_for_all else "its planned collectives"
-        return f"the backward of microbatch {microbatch}, the next forward's collectives waiting for {rule}"
+        microbatch, rule = overlap
+        how = {
+            "after_backward": "waiting for the whole backward",
+            "after_backward_collectives": "waiting for its planned collectives",
+            "in_turns_with_backward_collectives": "taking turns with its planned collectives",
+        }[rule]
+        return f"the backward of microbatch {microbatch}, the next forward's collectives {how}"
 
     lines = ["torch_ext: the ranks disagree on the microbatch overlap of this backward (collective order check):"]
     lines += [f"  rank {rank}: {describe(overlap)}" for rank, overlap in zip(ranks, overlaps, strict=True)]

@@ -230,8 +230,9 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
   }
   std::function<void()> before_apply;
   if (order_check_ != nullptr || progress_ != nullptr) {
+    const int32_t place = sequence_->place[index];
     before_apply =
-        [check = order_check_, reports = progress_ != nullptr, issuing] {
+        [check = order_check_, reports = progress_ != nullptr, issuing, place] {
           if (reports) {
             // The lane is this call's and runs its planned collectives only:
             // the collective gate lets all of them through
@@ -240,6 +241,11 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
           }
           if (check != nullptr) {
             check->await();
+          }
+          if (issuing != nullptr) {
+            // Here, on the lane: the engine thread runs the nodes that do not
+            // wait for the forward thread meanwhile.
+            issuing->progress->may_start(static_cast<size_t>(place));
           }
           // After the check's own exchange, which is not the node's collective.
           set_issuing_lane_node(issuing);

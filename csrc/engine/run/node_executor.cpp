@@ -9,6 +9,7 @@
 
 #include "engine/host_callbacks.h"
 #include "engine/run/backward_call.h"
+#include "engine/run/collective_sequence.h"
 #include "engine/run/deferred_accumulation.h"
 #include "engine/run/node_steps.h"
 #include "engine/run/running_node.h"
@@ -261,6 +262,10 @@ std::optional<variable_list> BackwardCall::run_node_action(
       if (slot.collective || slot.collective_wait) {
         const bool reports = progress_ != nullptr && slot.collective;
         try {
+          if (reports && sequence_ != nullptr &&
+              sequence_->place[index] != kNoSlot) {
+            progress_->may_start(static_cast<size_t>(sequence_->place[index]));
+          }
           const StartingPlannedCollective starting(reports);
           outputs = call_function(fn, std::move(buffered), keep_graph);
         } catch (...) {

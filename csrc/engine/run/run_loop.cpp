@@ -188,7 +188,10 @@ void BackwardCall::run(Node* host_node) {
   // register_multi_grad_hook(mode="all") see the real graph.
   publish_plan_to_host_task(plan_);
   if (progress_ != nullptr) {
-    progress_->planned(planned_collectives().size());
+    // In sequence, each planned collective waits for its turn (may_start).
+    progress_->planned(
+        planned_collectives().size(),
+        /*in_turns=*/runs_collective_sequence());
   }
   if (batch_ != nullptr) {
     // The first final callback, ahead of any a hook queues during the pass;
@@ -248,6 +251,11 @@ void BackwardCall::run(Node* host_node) {
   } catch (...) {
     if (running != kNoSlot) {
       failed_node_ = plan_.slots[running].fn;
+    }
+    if (progress_ != nullptr) {
+      // A lane waiting for its collective's turn gives up rather than issue
+      // it (stop() below joins the lanes).
+      progress_->abandoned();
     }
     if (sequence_ != nullptr) {
       // Before anything else: a lane may still be running a node of this
