@@ -502,7 +502,7 @@ def overlap_microbatches(forward_collectives: str = "after_backward_collectives"
     - ``"after_backward_collectives"`` (the default): once the backward has started every collective the engine
       planned for it.
     - ``"in_turns_with_backward_collectives"``: in turns with those, the backward's first: the forward's k-th once
-      the backward has started k+1, the backward's (k+1)-th once the forward has issued k (or waits for the
+      the backward has started k, the backward's (k+1)-th once the forward has issued k (or waits for the
       backward to end). The forward's first collective no longer waits for the backward's last, at the cost of
       making the backward's wait for the forward's: better where the compute beside an all_to_all is shorter than
       it (``benchmarks/microbatch_overlap.py``), worse where it is longer. Where the engine does not hold the

@@ -17,7 +17,7 @@
 // collectives wait for their turns (a call that runs them in sequence), the
 // two threads' collectives take turns instead, the backward's first (B0 F0
 // B1 F1 ...), until one thread has none left, then the other's rest: the
-// forward's k-th waits until backward i has started k+1, backward i's k-th
+// forward's k-th waits until backward i has started k, backward i's (k+1)-th
 // until the forward has issued k (the observer counts them) or waits for
 // backward i to end. Any other collective
 // started while backward i runs (a hook's, a nested backward's, a lane
