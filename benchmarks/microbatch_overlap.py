@@ -34,9 +34,10 @@ stock and the lane, the exposure of each phase: the sum of the microbatches' for
 compute's. The overlap's phases run at once, so it has the total only. Reported as medians, and the exposed
 communication as a fraction of stock's at the same point.
 
-The turns variant against the overlap, three quick runs (the variants alternating in one process): exposed 0.42 /
-0.45 / 0.33 of stock's against 0.48 / 0.46 / 0.40; at dense/comm 0.5 0.48 / 0.52 / 0.34 against 0.62 / 0.61 /
-0.39, at 1 0.38 / 0.46 / 0.31 against 0.38 / 0.40 / 0.39, at 2 0.40 / 0.37 / 0.35 against 0.43 / 0.38 / 0.42. In
+The turns variant against the overlap, four quick runs (the variants alternating in one process): exposed 0.42 /
+0.45 / 0.33 / 0.36 of stock's against 0.48 / 0.46 / 0.40 / 0.42; at dense/comm 0.5 0.48 / 0.52 / 0.34 / 0.45
+against 0.62 / 0.61 / 0.39 / 0.54, at 1 0.38 / 0.46 / 0.31 / 0.37 against 0.38 / 0.40 / 0.39 / 0.40, at 2 0.40 /
+0.37 / 0.35 / 0.27 against 0.43 / 0.38 / 0.42 / 0.33. In
 separate runs, one rule per run (before the variant existed; four runs in turns, three not), the sweep means read
 0.43-0.48 against 0.47-0.48: lower at 0.5 (0.43-0.57 against 0.57-0.63), noisier at 2 (0.32-0.48 against
 0.38-0.42).
@@ -122,7 +123,7 @@ WORLD_SIZE = 2
 # exposure (above). Quick runs on an idle machine read the overlap's exposure 0.57-0.67 of stock's (step 0.84-0.87)
 # with 4, and 0.38-0.66 (step 0.76-0.89, 4 runs) with 8; with a lane's collective releasing the forward once
 # issued, 0.47-0.55 (step 0.78-0.85, 9 runs). The quick mode takes 130-160 s instead of 51; with the turns variant,
-# about 220 s.
+# 165-220 s.
 N_MICROBATCHES = 8
 # Tokens each rank sends each expert per microbatch, and their width: 512 x 256 floats = 0.5 MiB to the other
 # rank per all_to_all, four all_to_alls a microbatch.

@@ -188,7 +188,8 @@ void BackwardCall::run(Node* host_node) {
   // register_multi_grad_hook(mode="all") see the real graph.
   publish_plan_to_host_task(plan_);
   if (progress_ != nullptr) {
-    // In sequence, each planned collective waits for its turn (may_start).
+    // In sequence, each planned collective asks for its turn (may_start):
+    // the forward's collectives may then take turns with them.
     progress_->planned(
         planned_collectives().size(),
         /*in_turns=*/runs_collective_sequence());
