@@ -34,10 +34,10 @@ stock and the lane, the exposure of each phase: the sum of the microbatches' for
 compute's. The overlap's phases run at once, so it has the total only. Reported as medians, and the exposed
 communication as a fraction of stock's at the same point.
 
-The turns variant against the overlap, four quick runs (the variants alternating in one process): exposed 0.42 /
-0.45 / 0.33 / 0.36 of stock's against 0.48 / 0.46 / 0.40 / 0.42; at dense/comm 0.5 0.48 / 0.52 / 0.34 / 0.45
-against 0.62 / 0.61 / 0.39 / 0.54, at 1 0.38 / 0.46 / 0.31 / 0.37 against 0.38 / 0.40 / 0.39 / 0.40, at 2 0.40 /
-0.37 / 0.35 / 0.27 against 0.43 / 0.38 / 0.42 / 0.33. In
+The turns variant against the overlap, five quick runs (the variants alternating in one process): exposed 0.42 /
+0.45 / 0.33 / 0.36 / 0.37 of stock's against 0.48 / 0.46 / 0.40 / 0.42 / 0.43; at dense/comm 0.5 0.48 / 0.52 /
+0.34 / 0.45 / 0.46 against 0.62 / 0.61 / 0.39 / 0.54 / 0.57, at 1 0.38 / 0.46 / 0.31 / 0.37 / 0.32 against 0.38 /
+0.40 / 0.39 / 0.40 / 0.37, at 2 0.40 / 0.37 / 0.35 / 0.27 / 0.33 against 0.43 / 0.38 / 0.42 / 0.33 / 0.36. In
 separate runs, one rule per run (before the variant existed; four runs in turns, three not), the sweep means read
 0.43-0.48 against 0.47-0.48: lower at 0.5 (0.43-0.57 against 0.57-0.63), noisier at 2 (0.32-0.48 against
 0.38-0.42).
