@@ -504,8 +504,9 @@ def overlap_microbatches(forward_collectives: str = "after_backward_collectives"
     - ``"in_turns_with_backward_collectives"``: in turns with those, the backward's first: the forward's k-th once
       the backward has started k, the backward's (k+1)-th once the forward has issued k (or waits for the
       backward to end). The forward's first collective no longer waits for the backward's last, at the cost of
-      making the backward's wait for the forward's: better where the compute beside an all_to_all is shorter than
-      it (``benchmarks/microbatch_overlap.py``), worse where it is longer. Where the engine does not hold the
+      making the backward's wait for the forward's. On CPU it measured lower exposure than the default, most
+      where the compute beside an all_to_all is short (``benchmarks/microbatch_overlap.py``); on an accelerator
+      the engine thread itself waits for the turn, which is unmeasured. Where the engine does not hold the
       backward's collectives to the plan's order (no lane node and no order check), the same as the default.
     - ``"after_backward"``: once the whole backward has finished, for code whose backward issues collectives the
       engine cannot see.

@@ -309,6 +309,19 @@ def _two_collectives_in_a_lane_node(rank: int) -> None:
             overlap.backward(TwoAllToAllsInBackward.apply(linear(torch.randn(2 * TOKENS, DIM))).sum())
 
 
+def _outcome_in_lane(function: type, run, raised: type[Exception]) -> tuple[str, list[str]] | None:
+    """``run()`` with ``function`` declared with run_in_lane: None, or the message and notes of the ``raised`` it
+    raised."""
+    torch_ext.run_in_lane(function)
+    try:
+        run()
+        return None
+    except raised as error:
+        return (str(error), getattr(error, "__notes__", []))
+    finally:
+        torch_ext.unregister_collective_backward(function)
+
+
 def _run_errors(rank: int) -> dict:
     FORWARD_THREAD[:] = [threading.current_thread()]
     torch_ext.run_in_lane(ExpertAllToAll)
@@ -331,23 +344,15 @@ def _run_errors(rank: int) -> dict:
         _small_step(model, rank, 1)
         results[name + "_threads_after"] = sorted(t.name for t in threading.enumerate())
     # A lane node's collective counts as started once issued, so a second one from the same node is refused.
-    torch_ext.run_in_lane(TwoAllToAllsInBackward)
-    try:
-        _two_collectives_in_a_lane_node(rank)
-        results["second_in_lane"] = None
-    except RuntimeError as error:
-        results["second_in_lane"] = (str(error), getattr(error, "__notes__", []))
-    finally:
-        torch_ext.unregister_collective_backward(TwoAllToAllsInBackward)
+    results["second_in_lane"] = _outcome_in_lane(
+        TwoAllToAllsInBackward, lambda: _two_collectives_in_a_lane_node(rank), RuntimeError
+    )
     _small_step(model, rank, 1)
-    torch_ext.run_in_lane(FailingAllToAll)
-    try:
-        _a_lane_node_fails_while_another_waits_its_turn(rank, dist.new_group([0, 1]))
-        results["abandoned"] = None
-    except ValueError as error:
-        results["abandoned"] = (str(error), getattr(error, "__notes__", []))
-    finally:
-        torch_ext.unregister_collective_backward(FailingAllToAll)
+    results["abandoned"] = _outcome_in_lane(
+        FailingAllToAll,
+        lambda: _a_lane_node_fails_while_another_waits_its_turn(rank, dist.new_group([0, 1])),
+        ValueError,
+    )
     _small_step(model, rank, 1)
     results["abandoned_threads_after"] = sorted(t.name for t in threading.enumerate())
     # The order check covers the overlap: rank 0's forward of microbatch 1 saves the RNG state (as a checkpoint
