@@ -158,7 +158,9 @@ class MicrobatchOverlap:
 
     def _hand_over(self, run: Callable[[], None], rule: str) -> None:
         """Waits for the backward in flight, then starts ``run`` on the backward thread under this thread's
-        thread-local state, the next forward's collectives starting by ``rule``."""
+        thread-local state and numerics (its intra-op thread counts and floating-point controls, taken now, so a
+        ``torch.set_num_threads`` between steps reaches the next backward), the next forward's collectives
+        starting by ``rule``."""
         self.wait()
         microbatch = self._microbatch
         self._microbatch += 1

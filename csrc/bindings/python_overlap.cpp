@@ -31,9 +31,9 @@
 // draws never see the recompute's state.
 
 #include "bindings/python_overlap.h"
+#include "engine/caller_thread_state.h"
 #include "engine/collective_progress.h"
 
-#include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
@@ -609,19 +609,21 @@ PyObject* py_overlap_leave_rng_section(PyObject*, PyObject*) {
 }
 
 void destroy_thread_state(PyObject* capsule) {
-  delete static_cast<at::ThreadLocalState*>(
-      PyCapsule_GetPointer(capsule, "torch_ext.ThreadLocalState"));
+  delete static_cast<CallerThreadState*>(
+      PyCapsule_GetPointer(capsule, "torch_ext.CallerThreadState"));
 }
 
-// _capture_thread_state() -> capsule: this thread's PyTorch thread-local
-// state (grad mode, autocast, dispatch keys, saved-tensor hooks, modes), as
-// stock's engine carries it to its device threads.
+// _capture_thread_state() -> capsule: what a thread of torch_ext takes from
+// this one (engine/caller_thread_state.h): PyTorch's thread-local state
+// (grad mode, autocast, dispatch keys, saved-tensor hooks, modes), as
+// stock's engine carries it to its device threads, and the numerics it does
+// not carry (intra-op thread counts, the floating-point controls).
 PyObject* py_capture_thread_state(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
-  auto state = std::make_unique<at::ThreadLocalState>();
+  auto state = std::make_unique<CallerThreadState>();
   PyObject* capsule = PyCapsule_New(
       state.get(),
-      "torch_ext.ThreadLocalState",
+      "torch_ext.CallerThreadState",
       destroy_thread_state);
   if (capsule != nullptr) {
     state.release();
@@ -638,12 +640,12 @@ PyObject* py_run_in_thread_state(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OO", &capsule, &fn)) {
     return nullptr;
   }
-  auto* state = static_cast<at::ThreadLocalState*>(
-      PyCapsule_GetPointer(capsule, "torch_ext.ThreadLocalState"));
+  auto* state = static_cast<CallerThreadState*>(
+      PyCapsule_GetPointer(capsule, "torch_ext.CallerThreadState"));
   if (state == nullptr) {
     return nullptr;
   }
-  const at::ThreadLocalStateGuard guard(*state);
+  const CallerThreadStateGuard guard(*state);
   return PyObject_CallNoArgs(fn);
   END_HANDLE_TH_ERRORS
 }

@@ -13,7 +13,7 @@ void CollectiveLanes::dispatch(
     int32_t slot,
     c10::intrusive_ptr<torch::autograd::Node> fn,
     torch::autograd::variable_list&& inputs,
-    at::ThreadLocalState state,
+    CallerThreadState state,
     std::function<void()> before_apply,
     std::function<void()> after_apply) {
   {
@@ -57,7 +57,7 @@ void CollectiveLanes::lane_main(
       if (work.before_apply) {
         work.before_apply();
       }
-      at::ThreadLocalStateGuard state(work.state);
+      const CallerThreadStateGuard state(work.state);
       finished.outputs = (*work.fn)(std::move(work.inputs));
       if (work.after_apply) {
         work.after_apply();

@@ -24,7 +24,8 @@
 // Lanes live as long as their call: they start on the first node handed to
 // them and are joined when the call ends, however it ends.
 
-#include <ATen/ThreadLocalState.h>
+#include "engine/caller_thread_state.h"
+
 #include <torch/csrc/autograd/function.h>
 
 #include <condition_variable>
@@ -57,7 +58,8 @@ class CollectiveLanes {
 
   // Runs `fn`'s apply() on `inputs` on the lane of `group` (started on first
   // use), after the nodes handed to that lane before it, under the engine
-  // thread's thread-local state `state` (grad mode, dispatch keys, profiler).
+  // thread's state `state` (grad mode, dispatch keys, profiler; the intra-op
+  // thread counts and the floating-point controls).
   // `before_apply`, when given, runs on the lane first; what it throws is the
   // node's error (the collective order check's mismatch: awaited where the
   // lane would block in the collective anyway, not on the engine thread).
@@ -68,7 +70,7 @@ class CollectiveLanes {
       int32_t slot,
       c10::intrusive_ptr<torch::autograd::Node> fn,
       torch::autograd::variable_list&& inputs,
-      at::ThreadLocalState state,
+      CallerThreadState state,
       std::function<void()> before_apply = nullptr,
       std::function<void()> after_apply = nullptr);
 
@@ -96,7 +98,7 @@ class CollectiveLanes {
     int32_t slot;
     c10::intrusive_ptr<torch::autograd::Node> fn;
     torch::autograd::variable_list inputs;
-    at::ThreadLocalState state;
+    CallerThreadState state;
     std::function<void()> before_apply;
     std::function<void()> after_apply;
   };

@@ -265,7 +265,7 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
       index,
       fn.getptr(),
       std::move(grads),
-      at::ThreadLocalState(),
+      CallerThreadState(),
       std::move(before_apply),
       std::move(after_apply));
 }
