@@ -230,6 +230,8 @@ class SweepConfig:
     warmup: int
     # Calls of the calibration's stack of layers at least (dense_layer_backward_s).
     calibration_reps: int
+    # A quick run (--quick): a script may also time fewer variants (``timed_variants``).
+    quick: bool
     # Where rank 0 draws a traced backward (None: not traced).
     timeline_png: str | None
 
@@ -294,6 +296,7 @@ def sweep_config(args, name: str, quick_reps: int, reps: int) -> SweepConfig:
         reps=args.reps or (quick_reps if args.quick else reps),
         warmup=1 if args.quick else 2,
         calibration_reps=25 if args.quick else 31,
+        quick=args.quick,
         timeline_png=timeline_png,
     )
 
@@ -306,6 +309,10 @@ def _on_every_rank(run_rank: Callable[[], object]) -> list:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # Deep Linear + ReLU stacks reach denormal floats in backward, which x86 computes many times slower: a 138-layer
+    # stack's backward took 16.5 s alone, 1.1 s with denormals flushed, so a point meant as x2 of T_comm measured
+    # ~x30. Flushed on every rank, for stock and torch_ext alike (torch_ext's threads take the setting from theirs).
+    torch.set_flush_denormal(True)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     try:
         result = run_rank()
@@ -341,6 +348,13 @@ def run_sweep(
         run = run_on_two_hosts(script, forwarded, mode=args.network)
     report(run.results, run.network.label, args.out, load())
     return 0
+
+
+def timed_variants(config: SweepConfig, variants: Sequence[str], left_out_when_quick: Sequence[str]) -> tuple[str, ...]:
+    """The variants a sweep times: all of ``variants``, less ``left_out_when_quick`` in a quick run. A quick run leaves
+    out the variants whose figures only confirm another's (each script says which and why), to keep the README's
+    first command short; a full run times them all. The summary rows show what was timed."""
+    return tuple(v for v in variants if not (config.quick and v in left_out_when_quick))
 
 
 def sweep_depth(ratio: float, t_comm: float, t_layer: float, max_layers: int) -> int:
@@ -441,6 +455,21 @@ def exposure(exposed_s: Sequence[float], t_comm_s: float) -> tuple[Summary, Summ
     return summarize([e * 1e3 for e in exposed_s]), summarize([1 - e / t_comm_s for e in exposed_s])
 
 
+def step_efficiency(backward_s: Sequence[float], compute_s: Sequence[float], t_comm_s: float) -> Summary:
+    """Overlap efficiency by step time, of a point's repetitions: 1 - (backward - the same repetition's
+    communication-free backward) / T_comm. Beside ``exposure``'s, which counts only the time a rank was blocked:
+    this one also counts what the communication costs the compute (gloo's threads on the same cores), and it reads
+    below the blocked-time one where that cost is real."""
+    return summarize([1 - (b - c) / t_comm_s for b, c in zip(backward_s, compute_s, strict=True)])
+
+
+def measured_ratio(compute_s: Sequence[float], t_comm_s: float) -> float:
+    """The compute/communication ratio a sweep point really had: its communication-free backward's median over
+    T_comm. The sweep asks for a ratio of dense layers, from one layer's calibrated time; the whole backward's
+    compute is what could hide the transfer, so the point's ideal efficiency is min(1, this)."""
+    return statistics.median(compute_s) / t_comm_s
+
+
 def print_t_comm(comm: Summary, steps: int) -> None:
     print(f"T_comm {comm} ms (stock's wait with no dense layer, {steps} steps; efficiency = 1 - exposed / its median)")
 
@@ -496,20 +525,33 @@ def sweep_summary_row(
     stock_note: str = "",
 ) -> SummaryRow:
     """A variant's line of the summary table from a sweep's CSV ``rows`` at ``points`` (``sweep_cases``): the headline
-    is the sweep's mean overlap efficiency beside the ideal's mean, min(1, ratio); the ratio column is
+    is the sweep's mean overlap efficiency beside the ideal's mean, min(1, the ratio each point measured:
+    ``point_ratio``), and the mean efficiency by step time where the CSV has it; the ratio column is
     ``over_stock["ratio"]``. The notes: ``lead``, the efficiency at each point, the mean exposed ms (``exposed``),
     and on stock's line ``stock_note``. The values: the mean efficiency and the ideal's, the mean exposed ms,
     ``over_stock``, and the curve for the plot (``"efficiency x<ratio>"``)."""
     efficiencies = [rows[(variant, point, "efficiency")]["median"] for _, point in points]
-    ideal = statistics.mean(min(1.0, ratio) for ratio, _ in points)
+    measured = [point_ratio(rows, ratio, point) for ratio, point in points]
+    has_measured = all(("compute", point, "measured_ratio") in rows for _, point in points)
+    ideal = statistics.mean(min(1.0, ratio) for ratio in measured)
     mean_efficiency = statistics.mean(efficiencies)
     values = {"efficiency": mean_efficiency, "ideal_efficiency": ideal}
+    by_step = [rows.get((variant, point, "step_efficiency")) for _, point in points]
+    if all(by_step):
+        values["step_efficiency"] = statistics.mean(row["median"] for row in by_step)
     if exposed:
         values["exposed_ms"] = statistics.mean(rows[(variant, point, "exposed_ms")]["median"] for _, point in points)
     values.update(over_stock)
     values.update({f"efficiency x{ratio:g}": eff for (ratio, _), eff in zip(points, efficiencies, strict=True)})
-    per_point = ", ".join(f"x{ratio:g}: {eff:.2f}" for (ratio, _), eff in zip(points, efficiencies, strict=True))
+    if has_measured:
+        values.update({f"ideal x{ratio:g}": min(1.0, real) for (ratio, _), real in zip(points, measured, strict=True)})
+    per_point = ", ".join(
+        f"x{ratio:g}{f' (measured x{real:.2g})' if has_measured else ''}: {eff:.2f}"
+        for (ratio, _), real, eff in zip(points, measured, efficiencies, strict=True)
+    )
     notes = f"{lead}efficiency by dense/comm ratio {per_point}"
+    if "step_efficiency" in values:
+        notes += f"; by step time {values['step_efficiency']:.2f} on average"
     if exposed:
         notes += f"; exposed {values['exposed_ms']:.1f} ms on average"
     if variant == "stock":
@@ -519,16 +561,24 @@ def sweep_summary_row(
         case,
         variant,
         "stock",
-        f"efficiency {mean_efficiency:.2f} (ideal {ideal:.2f})",
+        f"efficiency {mean_efficiency:.2f} (ideal {ideal:.2f})"
+        + (f", by step time {values['step_efficiency']:.2f}" if "step_efficiency" in values else ""),
         f"{values['ratio']:.2f}",
         notes,
         values,
     )
 
 
+def point_ratio(rows: dict, ratio: float, case: str) -> float:
+    """The ratio sweep point ``case`` measured (``measured_ratio``, its CSV row ``("compute", case,
+    "measured_ratio")``), or the one it asked for, ``ratio``, in a CSV without it."""
+    row = rows.get(("compute", case, "measured_ratio"))
+    return ratio if row is None else row["median"]
+
+
 def plot_efficiency_curves(ax, rows: Sequence[SummaryRow], title: str) -> None:
     """Each row's overlap efficiency against dense backward / T_comm (its ``"efficiency x<ratio>"`` values),
-    and the ideal, min(1, ratio), dashed."""
+    and the ideal, dashed: min(1, the ratio each point measured) (``"ideal x<ratio>"``), or min(1, ratio)."""
     ratios: list[float] = []
     for row in rows:
         curve = sorted(
@@ -538,9 +588,17 @@ def plot_efficiency_curves(ax, rows: Sequence[SummaryRow], title: str) -> None:
         )
         ratios = sorted({*ratios, *(ratio for ratio, _ in curve)})
         ax.plot([ratio for ratio, _ in curve], [eff for _, eff in curve], marker="o", label=row.variant)
-    if ratios and ratios[0] < 1.0 < ratios[-1]:
-        ratios = sorted({*ratios, 1.0})  # the ideal's corner
-    ax.plot(ratios, [min(1.0, r) for r in ratios], linestyle="--", color="black", label="ideal")
+    measured_ideal = sorted(
+        (float(key.removeprefix("ideal x")), value)
+        for key, value in (rows[0].values.items() if rows else ())
+        if key.startswith("ideal x")
+    )
+    if measured_ideal:
+        ax.plot(*zip(*measured_ideal, strict=True), linestyle="--", color="black", label="ideal (measured ratio)")
+    else:
+        if ratios and ratios[0] < 1.0 < ratios[-1]:
+            ratios = sorted({*ratios, 1.0})  # the ideal's corner
+        ax.plot(ratios, [min(1.0, r) for r in ratios], linestyle="--", color="black", label="ideal")
     ax.axhline(0.0, color="grey", linewidth=0.6)
     ax.set_xlabel("dense backward / T_comm")
     ax.set_ylabel("overlap efficiency (1: all hidden)")

@@ -97,6 +97,7 @@ from _common import (
     dense_layer_backward_s,
     git_sha,
     load_note,
+    measured_ratio,
     merge_ranks,
     parse_sweep_args,
     print_load,
@@ -459,6 +460,10 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
                 rows.append(csv_row(variant, case, size, "saved_peak_mib", _single(saved / 2**20), sha))
                 cells += [f"{saved / 2**20:9.1f}", f"{saved / stock_saved:6.2f}"]
                 print(f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<8} {' '.join(cells)}")
+            # The ratio the point had: the communication-free step's backward over the step's T_comm.
+            ratio = measured_ratio(samples["compute"]["backward_s"], N_MICROBATCHES * comm.median / 1e3)
+            rows.append(csv_row("compute", case, size, "measured_ratio", _single(ratio), sha))
+            print(f"{'':12} measured ratio (compute-only backward / T_comm) {ratio:.2f}")
             print(
                 f"{'':12} one microbatch's activations {one_microbatch / 2**20:.1f} MiB: stock + one microbatch = "
                 f"{(stock_saved + one_microbatch) / stock_saved:.2f} x stock's peak"
@@ -526,9 +531,9 @@ def main(argv: list[str] | None = None) -> int:
             "(pip install torch==2.13.0 megatron-core==0.16.1 deepspeed==0.19.8)"
         )
         return 0
-    # 10 quick repetitions, not 6: five quick runs of 6 read the overlap's exposure 0.49-0.55 of stock's, four of
-    # 10 read 0.47-0.54 (the issue asks three runs within 0.05); 130-160 s a run instead of 72-92.
-    config = sweep_config(args, NAME, quick_reps=10, reps=15)
+    # 6 quick repetitions: five quick runs of 6 read the overlap's exposure 0.49-0.55 of stock's, four of 10 read
+    # 0.47-0.54, no narrower; 10 took 170 s on an Intel Xeon, most of the README's first command.
+    config = sweep_config(args, NAME, quick_reps=6, reps=15)
     announce = (
         f"{NAME}: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {library}, {N_MICROBATCHES} microbatches, "
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"

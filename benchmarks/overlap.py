@@ -91,6 +91,7 @@ from _common import (
     exposure,
     git_sha,
     load_note,
+    measured_ratio,
     median_over_stock,
     merge_ranks,
     parse_sweep_args,
@@ -100,6 +101,7 @@ from _common import (
     progress,
     run_sweep,
     scenario_and_link,
+    step_efficiency,
     summarize,
     sweep_case,
     sweep_cases,
@@ -109,6 +111,7 @@ from _common import (
     sweep_summary_row,
     timed_blocking,
     timed_repetitions,
+    timed_variants,
     write_csv,
 )
 from _hosts import agreed_max
@@ -132,6 +135,11 @@ SEQUENCE_NR_BOOST = 2**62
 
 COLLECTIVE_VARIANTS = ("stock", "stock+seq_nr", "torch_ext", "torch_ext(funcol)", "torch_ext(funcol lane)")
 VARIANTS = (*COLLECTIVE_VARIANTS, "compute", "compute(torch_ext)", "comm")
+# Left out of a quick run's timing: the sequence-number boost and the functional all_to_all on torch_ext's engine
+# without its lane. Neither can hide the transfer (stock's order keeps the boosted node behind the sparse layers; the
+# functional op waits inside its node), and each read stock's efficiency within 0.15 at every point of every run in
+# docs/benchmarks.md and on an Intel Xeon; a full run times them.
+QUICK_LEFT_OUT = ("stock+seq_nr", "torch_ext(funcol)")
 # The variants that declare PyTorch's functional all_to_all to a lane (process-wide, so toggled per step).
 FUNCOL_LANE_VARIANTS = ("torch_ext(funcol lane)",)
 FUNCOL_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single
@@ -288,7 +296,9 @@ def _run_rank(config: Config) -> dict:
         def measure(variant: str, _rep: int, model=model, inputs=inputs) -> dict[str, float]:
             return _step(model, inputs, variant, dim)
 
-        samples = timed_repetitions(VARIANTS, measure, config.reps, config.warmup)
+        samples = timed_repetitions(
+            timed_variants(config, VARIANTS, QUICK_LEFT_OUT), measure, config.reps, config.warmup
+        )
         points.append({"ratio": ratio, "dense_layers": dense_layers, "samples": samples})
         if config.timeline_png is not None and ratio == traced_ratio and timelines is None:
             timelines = (_traced_timelines(model, inputs), dense_layers)
@@ -476,7 +486,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
     )
     print(
         f"{'ratio':>5} {'layers':>6} {'variant':<18} {'backward ms: median [p20-p80]':<30} {'/stock':>6} "
-        f"{'exposed ms':>10} {'efficiency':>10} {'ideal':>5} {'- compute ms':>12}"
+        f"{'exposed ms':>10} {'efficiency':>10} {'by step':>7} {'ideal':>5} {'- compute ms':>12}"
     )
     # One T_comm for the sweep: stock's wait with no dense layer (_common.calibrate_t_comm says why not the comm
     # variant).
@@ -486,30 +496,39 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
     for point in merge_ranks([r["points"] for r in results]):
         samples = point["samples"]
         stock = statistics.median(samples["stock"]["backward_s"])
-        ideal = min(1.0, point["ratio"])
         case = sweep_case("overlap", point["ratio"])
         size = f"{result['dim']}d x {BATCH * FEATURES} rows, {point['dense_layers']} dense layers, {link}"
-        for variant in VARIANTS:
+        # The ratio the point had: stock's communication-free backward over T_comm. Its ideal is min(1, that).
+        ratio = measured_ratio(samples["compute"]["backward_s"], t_comm)
+        ideal = min(1.0, ratio)
+        rows.append(csv_row("compute", case, size, "measured_ratio", Summary(ratio, ratio, ratio), sha))
+        for variant in (v for v in VARIANTS if v in samples):
             times = samples[variant]["backward_s"]
             backward = summarize([t * 1e3 for t in times])
             rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
-            exposed_text = efficiency_text = ideal_text = over_text = ""
+            exposed_text = efficiency_text = by_step_text = ideal_text = over_text = ""
             if variant in COLLECTIVE_VARIANTS:
                 exposed_ms, efficiency = exposure(samples[variant]["exposed_s"], t_comm)
                 # The same repetition's compute-only backward on the same engine: what the step costs beyond it,
                 # the communication's exposed part and the slowdown it causes (noisy: two backward times' gap).
                 compute = samples[_baseline(variant)]["backward_s"]
                 over_compute = summarize([(b - c) * 1e3 for b, c in zip(times, compute, strict=True)])
+                by_step = step_efficiency(times, compute, t_comm)
                 rows.append(csv_row(variant, case, size, "exposed_ms", exposed_ms, sha))
                 rows.append(csv_row(variant, case, size, "efficiency", efficiency, sha))
+                rows.append(csv_row(variant, case, size, "step_efficiency", by_step, sha))
                 rows.append(csv_row(variant, case, size, "over_compute_ms", over_compute, sha))
                 exposed_text, efficiency_text = f"{exposed_ms.median:.1f}", f"{efficiency.median:.2f}"
-                ideal_text, over_text = f"{ideal:.2f}", f"{over_compute.median:.1f}"
+                by_step_text, ideal_text = f"{by_step.median:.2f}", f"{ideal:.2f}"
+                over_text = f"{over_compute.median:.1f}"
             print(
                 f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<18} {backward!s:<30} "
-                f"{backward.median / 1e3 / stock:6.2f} {exposed_text:>10} {efficiency_text:>10} {ideal_text:>5} "
-                f"{over_text:>12}"
+                f"{backward.median / 1e3 / stock:6.2f} {exposed_text:>10} {efficiency_text:>10} {by_step_text:>7} "
+                f"{ideal_text:>5} {over_text:>12}"
             )
+        print(
+            f"{point['ratio']:5g} {point['dense_layers']:6d} measured ratio (compute-only backward / T_comm) {ratio:.2f}"
+        )
     if load is not None:
         rows.append(csv_row("machine", "overlap", link, "runnable_tasks", load, sha))
     write_csv(out, rows)
