@@ -35,8 +35,11 @@ Sizes: each rank looks up BATCH samples; the pooled gradient each rank sends the
 BATCH * (TABLES / 2) * DIM floats (2 MiB with the defaults, 36-38 ms on the shaped link). The dense arch's
 backward is swept over multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script
 measures T_comm and one Linear(HIDDEN, HIDDEN) layer's backward (both ranks agree on the larger) and gives
-the dense arch the depth that makes its backward ``ratio`` x T_comm. Only the dense arch can hide the
-transfer (the tables' backward needs its result): the ideal efficiency is min(1, ratio).
+the dense arch the depth that makes its backward ``ratio`` x T_comm. Each point also reports the ratio it
+measured: its compute over T_comm, the compute being stock's backward less its exposed time, repetition by
+repetition (there is no communication-free variant of a sharded TorchRec model). The ideal efficiency is min(1,
+that): no more communication can hide than there is compute beside it. Beside each torch_ext efficiency stands one
+by step time: 1 - (its backward - the same repetition's stock compute) / T_comm.
 
 The ranks run as two hosts (``_hosts.run_on_two_hosts``: two network namespaces joined by a veth shaped
 to 1 Gbit/s, each rank started by torchrun in its own), falling back as overlap.py says. Before timing,
@@ -70,6 +73,7 @@ from _common import (
     exposure,
     git_sha,
     load_note,
+    measured_ratio,
     median_over_stock,
     merge_ranks,
     parse_sweep_args,
@@ -78,6 +82,7 @@ from _common import (
     print_t_comm,
     run_sweep,
     scenario_and_link,
+    step_efficiency,
     summarize,
     sweep_case,
     sweep_cases,
@@ -257,7 +262,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
     )
     print(
         f"{'ratio':>5} {'layers':>6} {'variant':<10} {'step ms: median [p20-p80]':<26} {'/stock':>6} "
-        f"{'backward ms':<22} {'/stock':>6} {'exposed ms':>10} {'efficiency':>10} {'ideal':>5}"
+        f"{'backward ms':<22} {'/stock':>6} {'exposed ms':>10} {'efficiency':>10} {'by step':>7} {'ideal':>5}"
     )
     # One T_comm for the sweep: stock's wait with no dense layer (_common.calibrate_t_comm says why not the comm
     # variant).
@@ -270,9 +275,15 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
         comm = summarize([t * 1e3 for t in samples["comm"]["backward_s"]])
         stock_step = statistics.median(samples["stock"]["step_s"])
         stock_backward = statistics.median(samples["stock"]["backward_s"])
-        ideal = min(1.0, point["ratio"])
         case = sweep_case("recsys", point["ratio"])
         size = f"{scenario}, {point['dense_layers']} dense layers, {link}"
+        # Stock's compute, repetition by repetition: its backward less the communication it waited for.
+        stock_compute = [
+            b - e for b, e in zip(samples["stock"]["backward_s"], samples["stock"]["exposed_s"], strict=True)
+        ]
+        ratio = measured_ratio(stock_compute, t_comm)
+        ideal = min(1.0, ratio)
+        rows.append(csv_row("compute", case, size, "measured_ratio", Summary(ratio, ratio, ratio), sha))
         for variant in ENGINE_VARIANTS:
             step = summarize([t * 1e3 for t in samples[variant]["step_s"]])
             backward = summarize([t * 1e3 for t in samples[variant]["backward_s"]])
@@ -281,14 +292,20 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
             rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
             rows.append(csv_row(variant, case, size, "exposed_ms", exposed, sha))
             rows.append(csv_row(variant, case, size, "efficiency", efficiency, sha))
+            by_step_text = ""
+            if variant != "stock":
+                by_step = step_efficiency(samples[variant]["backward_s"], stock_compute, t_comm)
+                rows.append(csv_row(variant, case, size, "step_efficiency", by_step, sha))
+                by_step_text = f"{by_step.median:.2f}"
             print(
                 f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<10} {step!s:<26} "
                 f"{step.median / 1e3 / stock_step:6.2f} {backward!s:<22} "
                 f"{backward.median / 1e3 / stock_backward:6.2f} {exposed.median:10.1f} {efficiency.median:10.2f} "
-                f"{ideal:5.2f}"
+                f"{by_step_text:>7} {ideal:5.2f}"
             )
         rows.append(csv_row("comm", case, size, "backward_ms", comm, sha))
         print(f"{point['ratio']:5g} {point['dense_layers']:6d} {'comm':<10} {'':<26} {'':>6} {comm!s:<22}")
+        print(f"{point['ratio']:5g} {point['dense_layers']:6d} measured ratio (stock's compute / T_comm) {ratio:.2f}")
     if load is not None:
         rows.append(csv_row("machine", "recsys", link, "runnable_tasks", load, sha))
     write_csv(out, rows)
