@@ -449,7 +449,9 @@ def default_folder(quick: bool) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--quick", action="store_true", help="short runs of every benchmark (CI; 5-6 min on 2 CPU cores)"
+        "--quick",
+        action="store_true",
+        help="short runs of every benchmark (CI; about 5 min on 2 CPU cores, an Intel Xeon)",
     )
     parser.add_argument(
         "--only",
