@@ -531,9 +531,9 @@ def main(argv: list[str] | None = None) -> int:
             "(pip install torch==2.13.0 megatron-core==0.16.1 deepspeed==0.19.8)"
         )
         return 0
-    # 6 quick repetitions: five quick runs of 6 read the overlap's exposure 0.49-0.55 of stock's, four of 10 read
-    # 0.47-0.54, no narrower; 10 took 170 s on an Intel Xeon, most of the README's first command.
-    config = sweep_config(args, NAME, quick_reps=6, reps=15)
+    # 10 quick repetitions, not 6. On an Intel Xeon three quick runs of 6 read the overlap's exposure 0.41-0.58 of
+    # stock's (turns 0.36-0.50), three of 10 read 0.45-0.55 (turns 0.39-0.42); 6 took 120-150 s a run, 10 ~170 s.
+    config = sweep_config(args, NAME, quick_reps=10, reps=15)
     announce = (
         f"{NAME}: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {library}, {N_MICROBATCHES} microbatches, "
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
