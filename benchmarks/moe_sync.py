@@ -20,10 +20,12 @@ swept over multiples of T_comm (--ratios). At each point, per repetition, each r
 time is measured (``_common.timed_blocking``: waiting for the all_to_all inside the node, or for the lane's
 result where the expert's backward needs it); exposed communication = the slowest rank's backward minus the
 longest time any rank spent unblocked in it (``_common.exposed_past_the_slowest_rank``: a rank's wait for the
-other to arrive is not communication), and overlap efficiency = 1 - exposed / T_comm. The ideal is min(1, ratio) (only the dense path can hide the
-all_to_all; the expert's backward needs its result). Beside it, the backward's excess over the
-communication-free ``compute`` variant (``over_compute_ms``): what the communication costs the step in all, the
-gap of two noisy times. Reported per library and ratio: backward and step time (forward, backward and an SGD
+other to arrive is not communication), and overlap efficiency = 1 - exposed / T_comm. Beside it, the backward's
+excess over the communication-free ``compute`` variant (``over_compute_ms``): what the communication costs the
+step in all, the gap of two noisy times, and from it the efficiency by step time, 1 - that / T_comm
+(``step_efficiency``). Each point reports the ratio it measured, the ``compute`` variant's backward over T_comm, and
+its ideal is min(1, that). A quick run times one library and leaves out ``torch_ext`` and ``priority``
+(QUICK_LEFT_OUT). Reported per library and ratio: backward and step time (forward, backward and an SGD
 step) as medians of the slower rank, and the efficiency. Before timing, one backward of each engine variant must
 give torch.equal gradients to stock's.
 

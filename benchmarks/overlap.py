@@ -41,9 +41,11 @@ slowest rank's backward minus the longest time any rank spent unblocked in it
 (``_common.exposed_past_the_slowest_rank``: a rank's wait for the other to arrive is not communication), and
 overlap efficiency = 1 - exposed / T_comm (stock's wait with no dense layer, read the same way): 1 when the
 communication is completely hidden, 0 when it is fully exposed. Beside it, the backward's excess over its
-engine's compute variant (``over_compute_ms``): what the communication costs the step in all, noisier.
-Only the dense MLP can hide it (the embedding's backward needs its result), so the ideal is
-min(1, ratio).
+engine's compute variant (``over_compute_ms``): what the communication costs the step in all, noisier, and
+from it the efficiency by step time, 1 - that / T_comm (``step_efficiency``). Each point reports the ratio it
+measured, stock's compute variant's backward over T_comm, and its ideal is min(1, that): no more communication can
+hide than there is compute beside it (the sweep asks for a ratio of dense layers, and the rest of backward computes
+too). A quick run leaves out ``stock+seq_nr`` and ``torch_ext(funcol)`` (QUICK_LEFT_OUT).
 
 On this machine's loopback, gloo's transfer is kernel memcpy on the same two cores the ranks compute
 on, so nothing can overlap (docs/design.md, "Measuring overlap on this machine"). A real NIC moves bytes
