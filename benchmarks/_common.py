@@ -532,7 +532,7 @@ def sweep_summary_row(
     ``over_stock``, and the curve for the plot (``"efficiency x<ratio>"``)."""
     efficiencies = [rows[(variant, point, "efficiency")]["median"] for _, point in points]
     measured = [point_ratio(rows, ratio, point) for ratio, point in points]
-    has_measured = all(("compute", point, "measured_ratio") in rows for _, point in points)
+    has_measured = all(_measured_ratio_key(point) in rows for _, point in points)
     ideal = statistics.mean(min(1.0, ratio) for ratio in measured)
     mean_efficiency = statistics.mean(efficiencies)
     values = {"efficiency": mean_efficiency, "ideal_efficiency": ideal}
@@ -569,10 +569,21 @@ def sweep_summary_row(
     )
 
 
+def _measured_ratio_key(case: str) -> tuple[str, str, str]:
+    """The CSV key (what, case, metric) of sweep point ``case``'s measured ratio."""
+    return ("compute", case, "measured_ratio")
+
+
+def measured_ratio_row(case: str, size: str, ratio: float, sha: str) -> dict[str, object]:
+    """The CSV row of the ratio sweep point ``case`` measured (``measured_ratio``), which ``point_ratio`` reads."""
+    what, _, metric = _measured_ratio_key(case)
+    return csv_row(what, case, size, metric, Summary(ratio, ratio, ratio), sha)
+
+
 def point_ratio(rows: dict, ratio: float, case: str) -> float:
-    """The ratio sweep point ``case`` measured (``measured_ratio``, its CSV row ``("compute", case,
-    "measured_ratio")``), or the one it asked for, ``ratio``, in a CSV without it."""
-    row = rows.get(("compute", case, "measured_ratio"))
+    """The ratio sweep point ``case`` measured (its ``measured_ratio_row``), or the one it asked for, ``ratio``, in a
+    CSV without it."""
+    row = rows.get(_measured_ratio_key(case))
     return ratio if row is None else row["median"]
 
 

@@ -98,6 +98,7 @@ from _common import (
     git_sha,
     load_note,
     measured_ratio,
+    measured_ratio_row,
     merge_ranks,
     parse_sweep_args,
     print_load,
@@ -462,7 +463,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
                 print(f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<8} {' '.join(cells)}")
             # The ratio the point had: the communication-free step's backward over the step's T_comm.
             ratio = measured_ratio(samples["compute"]["backward_s"], N_MICROBATCHES * comm.median / 1e3)
-            rows.append(csv_row("compute", case, size, "measured_ratio", _single(ratio), sha))
+            rows.append(measured_ratio_row(case, size, ratio, sha))
             print(f"{'':12} measured ratio (compute-only backward / T_comm) {ratio:.2f}")
             print(
                 f"{'':12} one microbatch's activations {one_microbatch / 2**20:.1f} MiB: stock + one microbatch = "

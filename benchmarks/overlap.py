@@ -94,6 +94,7 @@ from _common import (
     git_sha,
     load_note,
     measured_ratio,
+    measured_ratio_row,
     median_over_stock,
     merge_ranks,
     parse_sweep_args,
@@ -503,7 +504,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
         # The ratio the point had: stock's communication-free backward over T_comm. Its ideal is min(1, that).
         ratio = measured_ratio(samples["compute"]["backward_s"], t_comm)
         ideal = min(1.0, ratio)
-        rows.append(csv_row("compute", case, size, "measured_ratio", Summary(ratio, ratio, ratio), sha))
+        rows.append(measured_ratio_row(case, size, ratio, sha))
         for variant in (v for v in VARIANTS if v in samples):
             times = samples[variant]["backward_s"]
             backward = summarize([t * 1e3 for t in times])

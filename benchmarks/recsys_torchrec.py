@@ -74,6 +74,7 @@ from _common import (
     git_sha,
     load_note,
     measured_ratio,
+    measured_ratio_row,
     median_over_stock,
     merge_ranks,
     parse_sweep_args,
@@ -283,7 +284,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
         ]
         ratio = measured_ratio(stock_compute, t_comm)
         ideal = min(1.0, ratio)
-        rows.append(csv_row("compute", case, size, "measured_ratio", Summary(ratio, ratio, ratio), sha))
+        rows.append(measured_ratio_row(case, size, ratio, sha))
         for variant in ENGINE_VARIANTS:
             step = summarize([t * 1e3 for t in samples[variant]["step_s"]])
             backward = summarize([t * 1e3 for t in samples[variant]["backward_s"]])
