@@ -163,8 +163,8 @@ def variant_engine(variant: str, function: type):
         torch_ext.run_in_lane(function)
     checked = variant == "checked"
     if checked:
-        # Its exchange group is made at the first check, in _check_bits, before anything is timed.
-        torch_ext.check_collective_order(group=_check_group())
+        # Its groups' mirrors are made at the first switch-on, in _check_bits, before anything is timed.
+        torch_ext.check_collective_order()
     try:
         with torch_ext.enable():
             yield
@@ -172,16 +172,6 @@ def variant_engine(variant: str, function: type):
         torch_ext.unregister_collective_backward(function)
         if checked:
             torch_ext.check_collective_order(False)
-
-
-_CHECK_GROUP = []
-
-
-def _check_group():
-    """One gloo group for the order check's exchanges, made once (new_group is itself collective)."""
-    if not _CHECK_GROUP:
-        _CHECK_GROUP.append(dist.new_group(backend="gloo"))
-    return _CHECK_GROUP[0]
 
 
 def _step(model: Layer, optimizer, tokens: torch.Tensor, variant: str, function: type) -> dict[str, float]:

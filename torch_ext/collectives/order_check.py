@@ -1,37 +1,42 @@
-"""The collective order check: every rank issues the same collectives in the same order, or every rank raises.
+"""The collective order check: the ranks of each group issue its collectives in the same order, or they raise.
 
 On every rank, the collectives of one process group must be issued in the same order, or gloo and NCCL hang
 (or mix up data). torch_ext keeps its order the same on ranks that have the same graph and priorities; what
 breaks it is a graph or a priority that differs by rank. A backward's plan fixes, before any node runs, every
 collective it will start and their order (its own ops, PyTorch's functional collectives, TorchRec's launches,
-lane nodes; in split backward's passes too). With the check on, the ranks compare that whole sequence once
-per backward, over a gloo group of their own. Each collective is named by its node's name, which collective it
-is (its index among the call's collectives on its group, in the order forward made them), its group's ranks
-where the node says (``ctx.group``), and the shapes and dtypes of the gradients it will be given. Two ranks
-must agree, in order, on the collectives of the groups they share (ranks of different expert-parallel groups
-need not). A mismatch raises on every rank before any of them starts a collective, or runs a hook, of that
-backward, naming the two ranks and the first collective they disagree on, where the collective itself would
-have hung or mixed up data.
+lane nodes; in split backward's passes too). With the check on, the members of each group those collectives
+use compare, once per backward, the part of that sequence they all see: the collectives on that group and on
+every group containing it, in order. Each collective is named by its node's name, which collective it is (its
+index among the call's collectives on its group, in the order forward made them), its group's id (the same
+on every rank for the same ranks, computed once: ``torch_ext.collectives.group_mirrors``), and the shapes and
+dtypes of the gradients it will be given. A mismatch raises on every member of that group before any
+collective of that group starts, or any hook of that backward runs, naming the two ranks and the first
+collective they disagree on, where the collective itself would have hung or mixed up data.
 
 The identity matters most where the shapes agree: two all_to_alls of one shape (an MoE layer's dispatch and
 combine) started in opposite orders on two ranks do not hang; gloo and NCCL pair them and mix up the data.
 Their kinds match, but one rank starts forward's first and the other forward's second. The index counts
 collective nodes only, so autograd work one rank does outside them (logging, metrics) does not shift it.
 
-The exchange leaves the engine thread: an asynchronous all_gather of an 8-byte digest per rank, started when
-the plan is made, and awaited by the thread that starts the backward's first collective (a lane, which would
-wait for the other ranks in that collective anyway; the engine thread when the engine issues the collective
-itself) or runs its first hook. It costs about 0.2 ms of the engine thread per backward and is cheap enough to
-leave on (benchmarks/moe_sync.py measures it; docs/guides/moe.md has the figures). Switch it on with
-:func:`check_collective_order`, or with ``TORCH_EXT_CHECK_COLLECTIVES=1`` in every rank's environment (read
-when torch_ext is imported). Only what torch_ext runs is checked: collectives issued outside its engine, or by
-hooks, are not seen.
+The exchange leaves the engine thread and stays within each group: for each group the backward's collectives
+use, an asynchronous all_reduce (min) of a 16-byte digest pair over that group's gloo mirror, started when the
+plan is made, and awaited by the thread that starts the backward's first collective or runs its first hook.
+Its cost per backward grows with the number of groups used, not with their sizes nor with the world's, and no
+rank waits for one outside the groups it communicates with (docs/guides/moe.md has the figures at 8 to 8,192
+ranks, from benchmarks/order_check_scale.py). The price: a rank outside the group that disagrees learns of it
+only when it next meets a raising rank in another collective, and that collective fails with the process
+group's own error (a timeout, or the peer's connection closed), as any collective with a rank that left it
+does. Switch the check on with :func:`check_collective_order`, or with ``TORCH_EXT_CHECK_COLLECTIVES=1`` in
+every rank's environment (read when torch_ext is imported). Only what torch_ext runs is checked: collectives
+issued outside its engine, or by hooks, are not seen.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,49 +46,62 @@ import torch.distributed as dist
 from torch_ext import microbatches as _microbatches
 from torch_ext._api import deprecated
 from torch_ext._loader import _C, switch_on
+from torch_ext.collectives.group_mirrors import Group, GroupMirrors
+from torch_ext.collectives.lanes import _GROUP_OF
 
 ENVIRONMENT_VARIABLE = "TORCH_EXT_CHECK_COLLECTIVES"
 
+# Every group's mirror, made once per process group world (group_mirrors.py): a second checker (the check
+# switched off and on) reuses them, as remaking one would reuse its store keys.
+_MIRRORS = GroupMirrors()
 
-def _group_ranks(node: Any) -> tuple[int, ...] | None:
-    group = getattr(node, "group", None)
-    if group is None:
+
+def _process_group(node: Any) -> Any:
+    """The process group ``node``'s collective runs on, None where the node does not say (a C++ node, a ctx
+    without a group): the group a lane would use for a declared class, else ``ctx.group``, else the group a
+    ``torch.library`` formula saved by name (``ctx.group_name``)."""
+    if isinstance(node, str):
         return None
+    find = _GROUP_OF.get(type(node))
     try:
-        return tuple(dist.get_process_group_ranks(group))
-    except (ValueError, RuntimeError, TypeError, AttributeError):
-        # A backend made by hand (not registered with c10d) has no ranks to name: its size stands in.
-        size = getattr(group, "size", None)
-        return (-1, size()) if callable(size) else None
+        if find is not None:
+            return find(node)
+        group = getattr(node, "group", None)
+        name = getattr(node, "group_name", None)
+        if group is None and isinstance(name, str):
+            group = dist.distributed_c10d._resolve_process_group(name)
+        return group
+    except (KeyError, ValueError, RuntimeError):
+        return None
 
 
-def _fingerprint(node: Any, position: int, identity: int, ranks: tuple | None, gradients: list) -> tuple:
-    """``ranks``: its group's (:func:`_group_ranks`); ``gradients``: the (shape, dtype) of each gradient the node
-    will be given, None for one the engine cannot describe (a nested tensor's)."""
+def _fingerprint(node: Any, position: int, identity: int, group: Group, gradients: list) -> tuple:
+    """``group``: its group's; ``gradients``: the (shape, dtype) of each gradient the node will be given, None
+    for one the engine cannot describe (a nested tensor's)."""
     name = node if isinstance(node, str) else node.name()
     described = tuple(None if g is None else (tuple(g[0]), str(g[1]).removeprefix("torch.")) for g in gradients)
-    return (name, position, identity, ranks, described)
+    return (name, position, identity, group.id, described)
 
 
-def _describe(fingerprint: tuple) -> str:
+def _describe(fingerprint: tuple, groups: dict[int, tuple[int, ...]]) -> str:
     if fingerprint[0] == "end of backward":
         return f"end of backward after {fingerprint[1]} collective(s)"
-    name, position, identity, ranks, gradients = fingerprint
-    where = "" if ranks is None else f" on ranks {list(ranks)}"
+    name, position, identity, group_id, gradients = fingerprint
     shapes = ", ".join("nested" if g is None else f"{g[1]}{list(g[0])}" for g in gradients)
-    return f"#{position} {name} (forward's collective #{identity} on its group){where} given ({shapes})"
+    where = Group(group_id, groups[group_id]).describe()
+    return f"#{position} {name} (forward's collective #{identity} on its group) on {where} given ({shapes})"
 
 
-def _shared_with(fingerprints: list[tuple], rank: int) -> list[tuple]:
-    """What ``rank`` must agree on with this rank: the collectives on groups it is in (a group whose ranks are
-    unknown counts as everyone's), in this rank's order, without their place in this rank's whole sequence
-    (collectives on groups ``rank`` is not in may come between), and the end of backward."""
-    shared = []
-    for fingerprint in fingerprints[:-1]:
-        name, _, identity, ranks, gradients = fingerprint
-        if ranks is None or ranks[0] == -1 or rank in ranks:
-            shared.append((name, identity, ranks, gradients))
-    return [*shared, ("end of backward", len(shared))]
+def _seen_by(fingerprints: list[tuple], group: Group, groups: dict[int, Group]) -> list[tuple]:
+    """What every member of ``group`` must agree on: the collectives on groups containing it (each member sees
+    all of those), in order, without their place in the whole sequence (collectives on other groups may come
+    between), and the end of backward."""
+    seen = [
+        (name, identity, group_id, gradients)
+        for name, _, identity, group_id, gradients in fingerprints[:-1]
+        if group.within(groups[group_id])
+    ]
+    return [*seen, ("end of backward", len(seen))]
 
 
 def _digest(value: object) -> int:
@@ -91,34 +109,66 @@ def _digest(value: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def _with_identities_per_group(collectives: list[tuple[Any, int, list]]) -> list[tuple]:
+def _with_identities_per_group(collectives: list[tuple[Any, int, list]], groups: list[Group]) -> list[tuple]:
     """The fingerprints, each collective's identity its index among the call's collectives on its group in the order
     forward made them (the engine gives each one's sequence_nr): a rank with more collectives on a group another
     rank is not in, or more autograd work outside collectives, does not shift the identities they share."""
-    ranks = [_group_ranks(node) for node, _, _ in collectives]
-    by_group: dict = {}
+    by_group: dict[int, list] = {}
     for index, (_, created, _) in enumerate(collectives):
-        by_group.setdefault(ranks[index], []).append((created, index))
+        by_group.setdefault(groups[index].id, []).append((created, index))
     identity = [0] * len(collectives)
     for members in by_group.values():
         for place, (_, index) in enumerate(sorted(members)):
             identity[index] = place
     fingerprints = [
-        _fingerprint(node, position, identity[position], ranks[position], gradients)
+        _fingerprint(node, position, identity[position], groups[position], gradients)
         for position, (node, _, gradients) in enumerate(collectives)
     ]
     return [*fingerprints, ("end of backward", len(collectives))]
 
 
+def _all_gather_object(mirror: Any, value: object) -> list:
+    """``value`` from every member of ``mirror`` (a ProcessGroupGloo that torch.distributed's own
+    all_gather_object cannot take: it is not registered), in group-rank order."""
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(mirror.size())]
+    mirror.allgather([sizes], [size]).wait()
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    mirror.allgather([gathered], [padded]).wait()
+    return [pickle.loads(g[: int(s)].numpy().tobytes()) for g, s in zip(gathered, sizes, strict=True)]
+
+
+def _minimum() -> Any:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    return options
+
+
+@dataclass
+class _GroupExchange:
+    """One group's comparison in flight: ``compared`` is ``[d, ~d]`` of this rank's digest ``d``, reduced in place
+    to ``[min d, ~max d]`` over the group's members; they agree when ``min d == max d``."""
+
+    group: Group
+    compared: torch.Tensor
+    work: Any
+
+    def agreed(self) -> bool:
+        return int(self.compared[0]) == ~int(self.compared[1])
+
+
 @dataclass
 class _Exchange:
-    """One call's exchange in flight: its digests' all_gather, and what naming a mismatch needs."""
+    """One call's exchanges in flight, one per group its collectives use (in the groups' order), and what naming
+    a mismatch needs."""
 
-    group: Any
     fingerprints: list[tuple]
-    digests: torch.Tensor
-    gathered: list[torch.Tensor]
-    work: Any
+    groups: dict[int, Group]
+    exchanges: list[_GroupExchange]
     # The overlapped backward's (microbatch, forward's rule), None outside torch_ext.overlap_microbatches.
     overlap: tuple | None
     # The first wait's outcome: None while not waited on, "" when the ranks agree, else the mismatch.
@@ -130,107 +180,133 @@ class _Checker:
     sequence when its plan is made, on the thread running backward; ``wait`` before the call's first collective
     or hook runs (on that thread or a lane's) and when the call ends, however it ends. Both with the GIL.
 
-    Two ranks must agree on the collectives of the groups they share, in order: ranks of an expert-parallel
-    group on its all_to_alls, but not on another EP group's. So each rank sends, for every rank, a digest of its
-    sequence as that rank must see it (:func:`_shared_with`), and rank r agrees with rank q when r's digest for q
-    is q's digest for r. ``begin`` starts that asynchronous all_gather and returns: the engine thread never waits
-    for the other ranks to arrive. The exchanges are started in the order the calls begin, on the calling
-    thread, which is the same on every rank.
+    ``begin`` starts, for each group the call's collectives use, an asynchronous all_reduce of the digest of what
+    that group's members must agree on (:func:`_seen_by`) over the group's mirror, and returns: the engine thread
+    never waits for the other ranks to arrive. A call's exchanges start in one order (by the groups' ranks), and
+    calls begin in the order their backwards do, on the calling thread, which is the same on every rank.
     """
 
-    def __init__(self, group: Any | None, timeout: datetime.timedelta | None) -> None:
-        self._group = group
+    def __init__(self, timeout: datetime.timedelta | None) -> None:
         self._timeout = timeout
         self.exchanges = 0
+        # The digests' bytes this rank put into exchanges, for benchmarks/order_check_scale.py.
+        self.bytes_sent = 0
+        if dist.is_initialized():
+            _MIRRORS.make(timeout)
 
-    def _check_group(self) -> Any:
-        if self._group is None:
+    def _group_of(self, node: Any) -> Group:
+        group = _process_group(node)
+        if group is None:
+            return _MIRRORS.world()
+        known = _MIRRORS.of(group)
+        if known is not None:
+            return known
+        if isinstance(group, dist.ProcessGroup) and group in dist.distributed_c10d._world.pg_group_ranks:
+            name = node if isinstance(node, str) else node.name()
+            raise RuntimeError(
+                f"torch_ext: the collective order check has no mirror of the process group {name} runs its collective "
+                f"on (ranks {dist.get_process_group_ranks(group)}): it was made after the check was switched on. "
+                "Call torch_ext.check_collective_order() again on every rank once the process groups are made."
+            )
+        # A backend made by hand, unknown to torch.distributed: compared over everyone, as a group of everyone.
+        return _MIRRORS.world()
+
+    def begin(self, collectives: list[tuple[Any, int, list]]) -> _Exchange:
+        """Starts comparing one call's collective sequence, ``(node, sequence_nr, expected gradients)`` in the
+        order the call will start them, with the other ranks'; returns what ``wait`` takes."""
+        if not _MIRRORS.made():
             if not dist.is_initialized():
                 raise RuntimeError(
                     "torch_ext: the collective order check needs torch.distributed initialized "
                     "(init_process_group) before the first backward that issues a collective"
                 )
-            # Its own gloo group: exchanging on the group a lane is using could itself reorder collectives.
-            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
-        return self._group
-
-    def begin(self, collectives: list[tuple[Any, int, list]]) -> _Exchange:
-        """Starts comparing one call's collective sequence, ``(node, sequence_nr, expected gradients)`` in the
-        order the call will start them, with the other ranks'; returns what ``wait`` takes."""
-        fingerprints = _with_identities_per_group(collectives)
+            # TORCH_EXT_CHECK_COLLECTIVES switched the check on before the process group existed.
+            _MIRRORS.make(self._timeout)
+        groups = [self._group_of(node) for node, _, _ in collectives]
+        fingerprints = _with_identities_per_group(collectives, groups)
+        by_id = {group.id: group for group in groups}
         # A backward that runs beside the next forward (torch_ext.overlap_microbatches): the ranks must also agree
         # on which microbatch it is and on the rule for the forward's collectives, or the two threads' collectives
         # would interleave differently by rank.
         overlap = _microbatches.handed_backward()
-        group = self._check_group()
-        ranks = dist.get_process_group_ranks(group)
-        digests = torch.tensor(
-            [_digest((overlap, _shared_with(fingerprints, rank))) for rank in ranks], dtype=torch.int64
-        )
-        gathered = [torch.empty_like(digests) for _ in ranks]
-        work = dist.all_gather(gathered, digests, group=group, async_op=True)
+        exchanges = []
+        for group in sorted(by_id.values(), key=lambda group: group.ranks):
+            digest = _digest((overlap, _seen_by(fingerprints, group, by_id)))
+            compared = torch.tensor([digest, ~digest], dtype=torch.int64)
+            exchanges.append(_GroupExchange(group, compared, group.mirror.allreduce([compared], _minimum())))
+            self.bytes_sent += compared.nbytes
         self.exchanges += 1
-        return _Exchange(group, fingerprints, digests, gathered, work, overlap)
+        return _Exchange(fingerprints, by_id, exchanges, overlap)
 
     def wait(self, exchange: _Exchange) -> None:
-        """Raises the mismatch ``begin``'s exchange found, the same message on every rank. The engine calls it for
-        every exchange it began, also when the call failed first: a mismatch is named with a second exchange that
-        every rank takes part in."""
+        """Raises the mismatch ``begin``'s exchanges found, the same on every member of the group that disagrees.
+        The engine calls it for every exchange it began, also when the call failed first: a mismatch is named
+        with a second exchange that every member of that group takes part in."""
         if exchange.outcome is None:
-            try:
-                exchange.work.wait()
-            except Exception as error:
-                error.add_note(
-                    "torch_ext: raised by the collective order check's exchange (over its own group), before any "
-                    "collective of this backward started: a rank is gone or did not reach this backward in time"
-                )
-                raise
-            matrix = torch.stack(exchange.gathered)  # [r][q]: rank r's digest for rank q
-            exchange.outcome = "" if torch.equal(matrix, matrix.T) else self._name_mismatch(exchange)
+            disagreeing = []
+            for group_exchange in exchange.exchanges:
+                try:
+                    group_exchange.work.wait()
+                except Exception as error:
+                    error.add_note(
+                        "torch_ext: raised by the collective order check's exchange over the gloo mirror of "
+                        f"{group_exchange.group.describe()}, before any collective of this backward on that group "
+                        "started: a rank of that group is gone or did not reach this backward in time"
+                    )
+                    raise
+                if not group_exchange.agreed():
+                    disagreeing.append(group_exchange.group)
+            # Every disagreeing group is named, in the exchanges' order: each of its members takes part.
+            mismatches = [self._name_mismatch(exchange, group) for group in disagreeing]
+            exchange.outcome = mismatches[0] if mismatches else ""
         if exchange.outcome:
             raise RuntimeError(exchange.outcome)
 
     @staticmethod
-    def _name_mismatch(exchange: _Exchange) -> str:
-        gathered: list = [None] * len(exchange.gathered)
-        dist.all_gather_object(gathered, (exchange.overlap, exchange.fingerprints), group=exchange.group)
-        ranks = dist.get_process_group_ranks(exchange.group)
-        overlaps = [overlap for overlap, _ in gathered]
-        gathered = [fingerprints for _, fingerprints in gathered]
+    def _name_mismatch(exchange: _Exchange, group: Group) -> str:
+        mine = (exchange.overlap, exchange.fingerprints, {g.id: g.ranks for g in exchange.groups.values()})
+        gathered = _all_gather_object(group.mirror, mine)
+        overlaps = [overlap for overlap, _, _ in gathered]
         if len(set(overlaps)) > 1:
-            return _overlap_mismatch_message(ranks, overlaps)
-        for i, rank in enumerate(ranks):
-            for j in range(i + 1, len(ranks)):
-                mine, theirs = _shared_with(gathered[i], ranks[j]), _shared_with(gathered[j], rank)
-                for place in range(max(len(mine), len(theirs))):
-                    ours = mine[min(place, len(mine) - 1)], theirs[min(place, len(theirs) - 1)]
-                    if ours[0] != ours[1]:
-                        return _mismatch_message((rank, ranks[j]), (gathered[i], gathered[j]), ours, place)
+            return _overlap_mismatch_message(list(group.ranks), overlaps)
+        ranks_of = {group_id: ranks for _, _, known in gathered for group_id, ranks in known.items()}
+        groups = {group_id: Group(group_id, ranks) for group_id, ranks in ranks_of.items()}
+        seen = [_seen_by(fingerprints, group, groups) for _, fingerprints, _ in gathered]
+        # The first member that disagrees with the group's first.
+        for member in range(1, len(group.ranks)):
+            for place in range(max(len(seen[0]), len(seen[member]))):
+                ours = seen[0][min(place, len(seen[0]) - 1)], seen[member][min(place, len(seen[member]) - 1)]
+                if ours[0] != ours[1]:
+                    pair = (group.ranks[0], group.ranks[member])
+                    sequences = (gathered[0][1], gathered[member][1])
+                    return _mismatch_message(pair, sequences, (seen[0], seen[member]), place, ranks_of)
         # Equal sequences with unequal digests cannot happen: repr is deterministic. (A 64-bit digest hides a
         # divergence with probability 2^-64.)
         raise AssertionError("torch_ext: the order check's digests differ but the ranks' collectives agree")
 
 
-def _position(shared: tuple, sequence: list[tuple]) -> tuple:
-    """The full fingerprint of ``shared`` (one of :func:`_shared_with`'s) in ``sequence``."""
-    if shared[0] == "end of backward":
+def _position(seen: tuple, sequence: list[tuple]) -> tuple:
+    """The full fingerprint of ``seen`` (one of :func:`_seen_by`'s) in ``sequence``."""
+    if seen[0] == "end of backward":
         return sequence[-1]
-    name, identity, ranks, gradients = shared
-    return next(f for f in sequence[:-1] if (f[0], f[2], f[3], f[4]) == (name, identity, ranks, gradients))
+    name, identity, group_id, gradients = seen
+    return next(f for f in sequence[:-1] if (f[0], f[2], f[3], f[4]) == (name, identity, group_id, gradients))
 
 
-def _mismatch_message(pair: tuple[int, int], sequences: tuple[list, list], shared: tuple, place: int) -> str:
+def _mismatch_message(
+    pair: tuple[int, int], sequences: tuple[list, list], seen: tuple[list, list], place: int, groups: dict
+) -> str:
     lines = [
         (
             f"torch_ext: the ranks disagree on collective #{place} of this backward on the groups ranks {pair[0]} "
             f"and {pair[1]} share (collective order check):"
         )
     ]
-    for rank, sequence, fingerprint in zip(pair, sequences, shared, strict=True):
-        lines.append(f"  rank {rank}: {_describe(_position(fingerprint, sequence))}")
+    for rank, sequence, theirs in zip(pair, sequences, seen, strict=True):
+        lines.append(f"  rank {rank}: {_describe(_position(theirs[min(place, len(theirs) - 1)], sequence), groups)}")
     lines.append("each rank's collectives on those groups before it:")
-    for rank, other, sequence in zip(pair, reversed(pair), sequences, strict=True):
-        before = [_describe(_position(f, sequence)) for f in _shared_with(sequence, other)[:place]]
+    for rank, sequence, theirs in zip(pair, sequences, seen, strict=True):
+        before = [_describe(_position(f, sequence), groups) for f in theirs[:place]]
         lines.append(f"  rank {rank}: " + ("; ".join(before) or "none"))
     lines.append(
         "Issued, these would hang or mix up data. A graph or a priority that differs by rank (data-dependent "
@@ -264,20 +340,31 @@ _checker: _Checker | None = None
 
 
 def check_collective_order(
-    enabled: bool = True, *, group: Any | None = None, timeout: datetime.timedelta | None = None
+    enabled: bool = True, *, timeout: datetime.timedelta | None = None, group: Any | None = None
 ) -> None:
     """Switches the collective order check on (or off, with ``enabled=False``) for this process.
 
+    Call it the same way on every rank, after the process groups are made: switching it on makes a gloo mirror
+    of each group this rank is in (``torch_ext.collectives.group_mirrors``), which the group's members make
+    together. A group made later needs the check switched on again, on every rank.
+
     Args:
-        enabled: on or off. Call it the same way on every rank.
-        group: the process group the ranks exchange fingerprints over; by default a gloo group of all ranks,
-            made (``torch.distributed.new_group``) at the first check. Not the group of a lane.
-        timeout: that group's timeout: how long a rank waits for another to reach the same backward's check (a
-            rank whose backward has no collective, or that died, never does). By default the process group
-            default.
+        enabled: on or off.
+        timeout: how long a rank waits for the others of a group to reach the same backward's check (a rank
+            whose backward has no collective on that group, or that died, never does), and to make its mirror.
+            By default each group's own timeout.
+        group: no longer used (the check exchanges over a mirror of each group its collectives use); ignored,
+            with a warning, for one release.
     """
     global _checker
-    _checker = _Checker(group, timeout) if enabled else None
+    if group is not None:
+        warnings.warn(
+            "torch_ext.check_collective_order(group=...) is ignored and will be removed in the next release: the "
+            "check exchanges over a gloo mirror of each group the backward's collectives use",
+            FutureWarning,
+            stacklevel=2,
+        )
+    _checker = _Checker(timeout) if enabled else None
     _C.set_collective_checker(_checker)
 
 
