@@ -847,3 +847,24 @@ def test_trace_overhead_summary_from_a_csv(tmp_path):
     assert (row.case, row.baseline, row.measured, row.ratio) == ("chain", "off 2 us/node", "2.5 us/node", "1.25")
     assert row.values["added_us_per_node"] == 0.5 and row.values["collect_us_per_node"] == 0.7
     assert "10002 nodes" in row.notes and "paired p20-p80 0.100-0.600" in row.notes
+
+
+def test_order_check_scale_summary_from_a_csv(tmp_path):
+    rows = []
+    for variant, costs in (("ep", (1300, 1320, 1310)), ("ep+dp", (2000, 2100, 4100))):
+        for world, cost in zip((8, 1024, 8192), costs, strict=True):
+            rows.append(("begin", f"{variant}, {world} ranks", str(world), "us", cost, cost - 50, cost + 50))
+            rows.append(("exchange", f"{variant}, {world} ranks", str(world), "bytes", 16, 16, 16))
+    write_rows(tmp_path / "order_check_scale.csv", rows)
+    ep, ep_dp = bench.summarize_folder(tmp_path, ["order_check_scale"])
+    assert (ep.case, ep.variant, ep.baseline, ep.measured, ep.ratio) == (
+        "ep",
+        "begin at 8,192 ranks",
+        "8 ranks 1300 us",
+        "1310 us",
+        "1.01",
+    )
+    # A cost that grew past the aim shows in the ratio, against the smallest world's.
+    assert ep_dp.ratio == "2.05" and "aim <= 2" in ep_dp.notes
+    assert "bytes per backward 16 at 8 ranks, 16 at 8,192" in ep.notes
+    assert ep_dp.values["begin_us_1024"] == 2100 and ep_dp.values["bytes_8192"] == 16

@@ -38,6 +38,7 @@ from types import ModuleType
 BENCHMARK_NAMES = (
     "engine_overhead",
     "trace_overhead",
+    "order_check_scale",
     "backward_memory",
     "split_backward",
     "overlap",

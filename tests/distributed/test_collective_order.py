@@ -19,7 +19,8 @@ import importlib.util
 
 import pytest
 import torch
-from _harness import run_ranks
+import torch.distributed as dist
+from _harness import assert_identical, run_ranks
 
 import torch_ext
 import torch_ext.ops
@@ -203,8 +204,37 @@ def _run(rank: int) -> dict:
         loss.backward()
     results["after_errors"] = [leaf.grad for leaf in leaves]
     results["checks"] = torch_ext.collective_check_count()
+    # A group made after the check was switched on: its mirror is made at its first checked backward.
+    late = dist.new_group([0, 1])
+    results["late_group"] = _backward_on_torch_ext(*_on_group_loss(late))
+    results["late_group_checks"] = torch_ext.collective_check_count() - results["checks"]
     torch_ext.check_collective_order(False)
+    loss, leaves = _on_group_loss(late)
+    loss.backward()
+    results["late_group_stock"] = [leaf.grad for leaf in leaves]
     return results
+
+
+class OnGroupAllToAll(torch.autograd.Function):
+    """SyncAllToAll on a group of the caller's (``ctx.group``)."""
+
+    @staticmethod
+    def forward(ctx, group, x: torch.Tensor) -> torch.Tensor:
+        ctx.group = group
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        received = torch.empty_like(grad)
+        dist.all_to_all_single(received, grad.contiguous(), group=ctx.group)
+        return None, received
+
+
+def _on_group_loss(group) -> tuple[torch.Tensor, list]:
+    torch_ext.run_in_lane(OnGroupAllToAll)
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, requires_grad=True)
+    return OnGroupAllToAll.apply(group, x.tanh()).sum(), [x]
 
 
 @pytest.fixture(scope="module")
@@ -300,3 +330,10 @@ def test_split_backward_passes_are_checked(results):
         assert agree["error"] is None, (rank, agree["error"])
         for ours, stock in zip(agree["grads"], result["split_stock"], strict=True):
             assert torch.equal(ours, stock), rank
+
+
+def test_a_group_made_after_the_check_was_switched_on_is_checked_too(results):
+    for rank, result in enumerate(results):
+        assert result["late_group"]["error"] is None, (rank, result["late_group"])
+        assert result["late_group_checks"] == 1, (rank, result["late_group_checks"])
+        assert_identical(result["late_group"]["grads"], result["late_group_stock"], f"rank {rank}")

@@ -6,25 +6,25 @@ group of the same ranks: the group's *mirror*. Exchanging on the group itself co
 known by an id every rank computes alike from its ranks, once, so a backward's fingerprints carry an integer
 instead of a rank list, and the check's cost per backward does not grow with the group's size.
 
-**Hang-free creation.** A mirror is a ``ProcessGroupGloo`` made from the default store under a prefix of its
-own; only its members take part in making it (each waits in the store for the others), and it is not
-registered with torch.distributed, so the user's groups and group counter are untouched. Two members that
-made their mirrors in different orders could each wait for the other forever, so every rank makes the
-mirrors of its groups in one global order, by rank list. That is deadlock-free: of the groups some rank
-still waits on, take the least; each of its members has either made every lesser mirror of its own or waits
-on one of them, and neither can block it, so all of its members reach it. Mirrors are made when the check
-is switched on (every rank calls :func:`torch_ext.check_collective_order` at the same point of the
-program), for the groups registered with torch.distributed then; with ``TORCH_EXT_CHECK_COLLECTIVES=1``,
-which switches the check on before the process group exists, at the first backward the check sees. Never
-lazily for one group from one rank's backward: there, the ranks' orders are what the check has not yet
-compared. A backward whose collective uses a group made later raises, asking for the check to be switched
-on again on every rank.
+**Made without a hang, whenever first needed.** ``torch.distributed.new_group`` must be called by every rank
+of the world in one order, because making a group synchronizes its members. A mirror does not: it is a
+``ProcessGroupGloo`` made from the default store under a prefix of its own (the group's id), with gloo's lazy
+connection (``TORCH_GLOO_LAZY_INIT``, PyTorch's documented switch). Making it writes this rank's address to
+the store and returns at once; a pair of members connects when it first exchanges, which is when the members
+compare a backward anyway. So a rank makes a group's mirror the first time a backward's collective uses the
+group, in any order relative to its other groups and without waiting for anyone: nothing is made per world,
+and no rank makes a mirror of a group it never checks. Only the pairs the exchange's algorithm uses connect,
+not the full mesh that an eagerly made gloo group of 1,024 ranks opens (1,023 sockets a rank; 8,191 for a
+world of 8,192, past the usual limit of 1,024 open files). The mirror is not registered with
+torch.distributed, so the user's groups, their names and the group counter are untouched.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +75,7 @@ def group_id(ranks: tuple[int, ...]) -> int:
 
 
 class GroupMirrors:
-    """Every group this rank's checked collectives may use: its :class:`Group`, by the process group object."""
+    """Every group this rank's checked collectives used: its :class:`Group`, by the process group object."""
 
     def __init__(self) -> None:
         self._by_object: weakref.WeakKeyDictionary[Any, Group] = weakref.WeakKeyDictionary()
@@ -83,54 +83,70 @@ class GroupMirrors:
         # The default group the mirrors were made under: a new init_process_group starts afresh.
         self._default_group: weakref.ref | None = None
 
-    def made(self) -> bool:
-        return self._default_group is not None and self._default_group() is dist.distributed_c10d._get_default_group()
+    def of(self, group: Any, timeout: datetime.timedelta | None) -> Group | None:
+        """``group``'s :class:`Group`, its mirror made now if this is its first use (``timeout``: the mirror's,
+        by default the group's own); None for an object torch.distributed does not know as a group of this
+        rank (a backend made by hand). Call :meth:`forget_another_world` first, once per backward."""
+        try:
+            known = self._by_object.get(group)
+        except TypeError:  # not weakly referenceable: no process group
+            return None
+        if known is not None:
+            return known
+        # A rank outside a group made with new_group is registered under the NON_GROUP_MEMBER sentinel.
+        rank_of = (
+            dist.distributed_c10d._world.pg_group_ranks.get(group) if isinstance(group, dist.ProcessGroup) else None
+        )
+        if rank_of is None or dist.get_rank() not in rank_of:
+            return None
+        ranks = tuple(sorted(rank_of, key=rank_of.__getitem__))
+        known = self._by_ranks.get(ranks)
+        if known is None:
+            identity = group_id(ranks)
+            prefix = f"{_STORE_PREFIX}/{identity & (2**64 - 1):016x}/"
+            mirror = _lazily_connected_gloo(
+                dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store()),
+                ranks.index(dist.get_rank()),
+                len(ranks),
+                timeout or _timeout_of(group),
+            )
+            known = self._by_ranks[ranks] = Group(identity, ranks, mirror)
+        self._by_object[group] = known
+        return known
 
-    def make(self, timeout: datetime.timedelta | None) -> None:
-        """Mirrors each group this rank is in that has none yet, in the one global order (this module's text)."""
+    def add_made_up(self, group: Any, ranks: tuple[int, ...], mirror: Any) -> Group:
+        """Registers ``group``, an object standing for a process group of ``ranks`` that this process is not
+        really part of, with ``mirror`` to exchange over (benchmarks/order_check_scale.py's synthetic worlds)."""
+        self.forget_another_world()
+        known = self._by_ranks.get(ranks) or Group(group_id(ranks), ranks, mirror)
+        self._by_ranks[ranks] = self._by_object[group] = known
+        return known
+
+    def forget_another_world(self) -> None:
+        """Starts afresh under a new default group (destroy_process_group, then init_process_group again)."""
         default_group = dist.distributed_c10d._get_default_group()
         if self._default_group is None or self._default_group() is not default_group:
             self._by_object = weakref.WeakKeyDictionary()
             self._by_ranks = {}
             self._default_group = weakref.ref(default_group)
-        me = dist.get_rank()
-        registered = []
-        for group, rank_of in list(dist.distributed_c10d._world.pg_group_ranks.items()):
-            # A rank outside a group made with new_group is registered under the NON_GROUP_MEMBER sentinel.
-            if isinstance(group, dist.ProcessGroup) and me in rank_of:
-                registered.append((tuple(sorted(rank_of, key=rank_of.__getitem__)), group))
-        store = dist.distributed_c10d._get_default_store()
-        for ranks, group in sorted(registered, key=lambda entry: entry[0]):
-            known = self._by_ranks.get(ranks)
-            if known is None:
-                identity = group_id(ranks)
-                mirror = dist.ProcessGroupGloo(
-                    dist.PrefixStore(f"{_STORE_PREFIX}/{identity & (2**64 - 1):016x}/", store),
-                    ranks.index(me),
-                    len(ranks),
-                    timeout or _timeout_of(group),
-                )
-                known = self._by_ranks[ranks] = Group(identity, ranks, mirror)
-            self._by_object[group] = known
 
-    def add_made_up(self, group: Any, ranks: tuple[int, ...]) -> Group:
-        """Registers a stand-in for a process group that has no mirror (a benchmark's synthetic world)."""
-        known = self._by_ranks.get(ranks) or Group(group_id(ranks), ranks)
-        self._by_ranks[ranks] = self._by_object[group] = known
-        return known
 
-    def of(self, group: Any) -> Group | None:
-        """``group``'s :class:`Group`, None if it was made after the mirrors (or is not a registered group)."""
+# TORCH_GLOO_LAZY_INIT is read when a ProcessGroupGloo is made: set for that call only, one call at a time.
+_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+_making_a_mirror = threading.Lock()
+
+
+def _lazily_connected_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    with _making_a_mirror:
+        before = os.environ.get(_LAZY_INIT)
+        os.environ[_LAZY_INIT] = "1"
         try:
-            return self._by_object.get(group)
-        except TypeError:  # not weakly referenceable: nothing registered is
-            return None
-
-    def world(self) -> Group:
-        """The default group's: what a collective whose group the check cannot see is compared over."""
-        known = self.of(dist.distributed_c10d._get_default_group())
-        assert known is not None, "the default group is registered and mirrored with the others"
-        return known
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+        finally:
+            if before is None:
+                del os.environ[_LAZY_INIT]
+            else:
+                os.environ[_LAZY_INIT] = before
 
 
 def _timeout_of(group: Any) -> datetime.timedelta:

@@ -34,6 +34,7 @@ issued outside its engine, or by hooks, are not seen.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import pickle
 import warnings
@@ -51,8 +52,8 @@ from torch_ext.collectives.lanes import _GROUP_OF
 
 ENVIRONMENT_VARIABLE = "TORCH_EXT_CHECK_COLLECTIVES"
 
-# Every group's mirror, made once per process group world (group_mirrors.py): a second checker (the check
-# switched off and on) reuses them, as remaking one would reuse its store keys.
+# Every group's mirror, made at its first use (group_mirrors.py) and kept for the next checker: a mirror made
+# again would reuse its store keys.
 _MIRRORS = GroupMirrors()
 
 
@@ -79,8 +80,13 @@ def _fingerprint(node: Any, position: int, identity: int, group: Group, gradient
     """``group``: its group's; ``gradients``: the (shape, dtype) of each gradient the node will be given, None
     for one the engine cannot describe (a nested tensor's)."""
     name = node if isinstance(node, str) else node.name()
-    described = tuple(None if g is None else (tuple(g[0]), str(g[1]).removeprefix("torch.")) for g in gradients)
+    described = tuple(None if g is None else (tuple(g[0]), _dtype_name(g[1])) for g in gradients)
     return (name, position, identity, group.id, described)
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _describe(fingerprint: tuple, groups: dict[int, tuple[int, ...]]) -> str:
@@ -191,37 +197,23 @@ class _Checker:
         self.exchanges = 0
         # The digests' bytes this rank put into exchanges, for benchmarks/order_check_scale.py.
         self.bytes_sent = 0
-        if dist.is_initialized():
-            _MIRRORS.make(timeout)
 
     def _group_of(self, node: Any) -> Group:
+        """The group ``node``'s collective is compared over: its own, or the world's where the check cannot see
+        it (a C++ node, a ctx without a group, a backend made by hand), as a group of everyone."""
         group = _process_group(node)
-        if group is None:
-            return _MIRRORS.world()
-        known = _MIRRORS.of(group)
-        if known is not None:
-            return known
-        if isinstance(group, dist.ProcessGroup) and group in dist.distributed_c10d._world.pg_group_ranks:
-            name = node if isinstance(node, str) else node.name()
-            raise RuntimeError(
-                f"torch_ext: the collective order check has no mirror of the process group {name} runs its collective "
-                f"on (ranks {dist.get_process_group_ranks(group)}): it was made after the check was switched on. "
-                "Call torch_ext.check_collective_order() again on every rank once the process groups are made."
-            )
-        # A backend made by hand, unknown to torch.distributed: compared over everyone, as a group of everyone.
-        return _MIRRORS.world()
+        known = None if group is None else _MIRRORS.of(group, self._timeout)
+        return known or _MIRRORS.of(dist.distributed_c10d._get_default_group(), self._timeout)
 
     def begin(self, collectives: list[tuple[Any, int, list]]) -> _Exchange:
         """Starts comparing one call's collective sequence, ``(node, sequence_nr, expected gradients)`` in the
         order the call will start them, with the other ranks'; returns what ``wait`` takes."""
-        if not _MIRRORS.made():
-            if not dist.is_initialized():
-                raise RuntimeError(
-                    "torch_ext: the collective order check needs torch.distributed initialized "
-                    "(init_process_group) before the first backward that issues a collective"
-                )
-            # TORCH_EXT_CHECK_COLLECTIVES switched the check on before the process group existed.
-            _MIRRORS.make(self._timeout)
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch_ext: the collective order check needs torch.distributed initialized "
+                "(init_process_group) before the first backward that issues a collective"
+            )
+        _MIRRORS.forget_another_world()
         groups = [self._group_of(node) for node, _, _ in collectives]
         fingerprints = _with_identities_per_group(collectives, groups)
         by_id = {group.id: group for group in groups}
@@ -344,15 +336,14 @@ def check_collective_order(
 ) -> None:
     """Switches the collective order check on (or off, with ``enabled=False``) for this process.
 
-    Call it the same way on every rank, after the process groups are made: switching it on makes a gloo mirror
-    of each group this rank is in (``torch_ext.collectives.group_mirrors``), which the group's members make
-    together. A group made later needs the check switched on again, on every rank.
+    Call it the same way on every rank. Each group is compared over a gloo mirror of its ranks, made the first
+    time a backward uses the group (``torch_ext.collectives.group_mirrors``: making one waits for no other rank).
 
     Args:
         enabled: on or off.
         timeout: how long a rank waits for the others of a group to reach the same backward's check (a rank
-            whose backward has no collective on that group, or that died, never does), and to make its mirror.
-            By default each group's own timeout.
+            whose backward has no collective on that group, or that died, never does). By default each group's
+            own timeout.
         group: no longer used (the check exchanges over a mirror of each group its collectives use); ignored,
             with a warning, for one release.
     """

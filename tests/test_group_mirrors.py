@@ -1,0 +1,83 @@
+"""The order check's group registry (torch_ext/collectives/group_mirrors.py), in one process.
+
+The multi-rank behaviour (mirrors made hang-free, a swap raising within its group only) is in
+tests/distributed/test_collective_order.py, test_four_ranks.py and test_eight_ranks.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import torch_ext
+from torch_ext.collectives import order_check
+from torch_ext.collectives.group_mirrors import Group, group_id
+
+
+def test_a_group_id_is_the_same_in_every_process():
+    # hash() of a str differs between processes (PYTHONHASHSEED); the id must not.
+    code = "from torch_ext.collectives.group_mirrors import group_id; print(group_id((0, 8, 16)))"
+    ids = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert ids == {str(group_id((0, 8, 16)))}
+    # The order of the ranks is part of a group's identity (a group made with sort_ranks=False).
+    assert group_id((0, 8, 16)) != group_id((8, 0, 16))
+
+
+def test_within_is_containment_of_ranks():
+    world, ep, dp = Group(1, tuple(range(16))), Group(2, (0, 1, 2, 3)), Group(3, (0, 4, 8, 12))
+    assert ep.within(world) and dp.within(world) and ep.within(ep)
+    assert not world.within(ep) and not ep.within(dp) and not dp.within(ep)
+
+
+def test_a_large_group_is_described_shortened():
+    assert Group(1, (2, 3)).describe() == "ranks [2, 3]"
+    described = Group(1, tuple(range(0, 8192, 8))).describe()
+    assert described == "ranks [0, 8, 16, 24, 32, 40, 48, 56, ..., 8176, 8184] (1024 ranks)"
+
+
+@pytest.fixture
+def one_rank_world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch_ext.check_collective_order(False)
+        dist.destroy_process_group()
+
+
+def test_a_mirror_is_made_at_a_groups_first_use_once_per_rank_list(one_rank_world):
+    registry = order_check._MIRRORS
+    registry.forget_another_world()
+    world = registry.of(dist.group.WORLD, None)
+    assert world.ranks == (0,) and world.mirror is not None and world.mirror.size() == 1
+    # Two groups over the same ranks share one mirror and one id; asked again, nothing is made again.
+    later = dist.new_group([0])
+    assert registry.of(later, None) is world and registry.of(dist.group.WORLD, None) is world
+    # Not a process group of this rank's: the check compares its collectives over the world's mirror instead.
+    assert registry.of(object(), None) is None
+
+
+def test_making_a_mirror_leaves_the_environment_as_it_was(one_rank_world, monkeypatch):
+    monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
+    order_check._MIRRORS.forget_another_world()
+    order_check._MIRRORS.of(dist.new_group([0], use_local_synchronization=True), None)
+    assert "TORCH_GLOO_LAZY_INIT" not in os.environ
+
+
+def test_the_group_argument_is_ignored_with_a_warning(one_rank_world):
+    with pytest.warns(FutureWarning, match=r"check_collective_order\(group=...\) is ignored"):
+        torch_ext.check_collective_order(group=dist.group.WORLD)
+    assert order_check._checker is not None
