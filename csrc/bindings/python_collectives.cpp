@@ -487,35 +487,54 @@ class PythonOrderCheck final : public CollectiveOrderCheck {
     Py_DECREF(checker_);
   }
 
-  void await() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!done_) {
-      done_ = true;
-      try {
-        // Naming a mismatch exchanges the sequences: part of the check,
-        // which the collective gate lets through (collective_progress.h).
-        const StartingPlannedCollective starting;
-        pybind11::gil_scoped_acquire gil;
-        THPObjectPtr result(
-            PyObject_CallMethod(checker_, "wait", "O", pending_));
-        if (!result) {
-          // Fetched now: the mismatch may be rethrown on another thread.
-          python_error mismatch;
-          mismatch.persist();
-          throw mismatch;
-        }
-      } catch (...) {
-        mismatch_ = std::current_exception();
+  void await(int32_t collective) override {
+    if (every_verdict_in_.load(std::memory_order_acquire)) {
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (mismatch_) {
+        std::rethrow_exception(mismatch_);
       }
     }
-    if (mismatch_) {
+    try {
+      // Naming a mismatch exchanges the sequences: part of the check, which
+      // the collective gate lets through (collective_progress.h).
+      const StartingPlannedCollective starting;
+      pybind11::gil_scoped_acquire gil;
+      // The checker keeps each group's verdict, and waits for an exchange
+      // with the GIL released: threads awaiting different groups do not
+      // wait for each other.
+      THPObjectPtr result(
+          collective == kEveryCollective
+              ? PyObject_CallMethod(checker_, "wait", "O", pending_)
+              : PyObject_CallMethod(
+                    checker_,
+                    "wait",
+                    "Oi",
+                    pending_,
+                    collective));
+      if (!result) {
+        // Fetched now: the mismatch may be rethrown on another thread.
+        python_error mismatch;
+        mismatch.persist();
+        throw mismatch;
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!mismatch_) {
+        mismatch_ = std::current_exception();
+      }
       std::rethrow_exception(mismatch_);
+    }
+    if (collective == kEveryCollective) {
+      every_verdict_in_.store(true, std::memory_order_release);
     }
   }
 
  private:
+  std::atomic<bool> every_verdict_in_{false};
   std::mutex mutex_;
-  bool done_ = false;
   std::exception_ptr mismatch_;
   // Owned references, released with the GIL.
   PyObject* checker_;

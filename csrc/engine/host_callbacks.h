@@ -35,21 +35,28 @@ struct CheckedCollective {
 };
 
 // One call's collective order check (torch_ext.check_collective_order),
-// begun by the host when the call's plan is made: the ranks compare the whole
-// sequence in one exchange, off the engine thread. Whichever thread starts
-// the call's first collective, or runs its first hook, awaits the verdict.
+// begun by the host when the call's plan is made: the members of each group
+// the call's collectives use compare them, off the engine thread, one exchange
+// per group. A thread about to start one of those collectives awaits the
+// verdict of its group (and of the groups nested with it); one about to run a
+// hook, or the call ending, awaits every verdict.
 class CollectiveOrderCheck {
  public:
+  // await()'s argument for every group's verdict.
+  static constexpr int32_t kEveryCollective = -1;
+
   virtual ~CollectiveOrderCheck() = default;
-  // Blocks until the exchange is done and raises its mismatch, the same on
-  // every rank. Safe from any thread, called without the GIL; only the first
-  // call waits, later ones rethrow its result.
-  virtual void await() = 0;
-  // After the call failed: completes the exchange all the same (every rank
-  // takes part in naming a mismatch), raising nothing.
+  // Blocks until the verdict the collective at `collective` (its index in the
+  // sequence the check was begun with) needs is in, and raises a mismatch,
+  // the same on every rank of the group that disagrees. Safe from any thread
+  // and from several at once, called without the GIL.
+  virtual void await(int32_t collective) = 0;
+  // After the call failed: completes every exchange all the same (every rank
+  // of a disagreeing group takes part in naming the mismatch), raising
+  // nothing.
   void complete_after_error() noexcept {
     try {
-      await();
+      await(kEveryCollective);
     } catch (...) {
     }
   }

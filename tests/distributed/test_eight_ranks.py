@@ -13,6 +13,9 @@ over the rank's EP group's mirror only: four ranks, 16 bytes.
 - A swap in one EP group (rank 7 starts its two combines in the opposite order), DDP not reducing in that
   backward (``no_sync``): ranks 4 to 7 raise the same error naming ranks 4 and 7; ranks 0 to 3, whose group
   agrees, finish that backward with stock's bits; the next backward, agreeing, gives stock's bits everywhere.
+- A straggler: rank 4 starts a backward 3 s late, in a layer whose backward plans collectives on both groups
+  (the EP all_to_alls, then torch_ext's own all_reduce on the DP group). Ranks 0 to 3 finish all their EP
+  all_to_alls before rank 4 starts: a collective awaits only its own group's verdict.
 - The same swap with DDP reducing: ranks 0 to 3 pass their check and wait in DDP's all_reduce for their DP
   peer, which raised. They end with gloo's timeout error within the DP groups' timeout, never a hang.
 - Rank 5 killed in its backward (a spawn of its own through test_faults' runner): ranks 4, 6 and 7 end with
@@ -46,6 +49,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_ext
+import torch_ext.ops
 from torch_ext.collectives import order_check
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -61,6 +65,9 @@ DIVERGING_RANK = 7
 SWAP_STEP = 7
 AUTOMATIC_COLLECTIVE_PRIORITY = 2**62
 KILLED_RANK = 5
+# The rank that starts a backward late, and by how much.
+STRAGGLER = 4
+STRAGGLE_S = 3.0
 # The DP groups' timeout: where a DP peer raised or died, a rank waiting for it in DDP's all_reduce fails within
 # it. The EP groups and the check keep the harness's (a loaded 2-core machine runs eight ranks).
 DP_TIMEOUT_S = 10
@@ -119,6 +126,57 @@ class ExpertParallelLayer(nn.Module):
         return self.head(out)
 
 
+# When each of this rank's EP all_to_alls finished in backward (time.time(), comparable across the ranks of one
+# machine).
+ep_backward_done: list[float] = []
+
+
+class TimedAllToAll(GroupAllToAll):
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        received = GroupAllToAll.backward(ctx, grad)
+        ep_backward_done.append(time.time())
+        return received
+
+
+class DataParallelLayer(nn.Module):
+    """A layer whose backward plans collectives on two groups: the experts' all_to_alls on the EP group, then,
+    last, torch_ext's own all_reduce on the DP group (of the embedding's output gradient). No DDP: its hooks
+    would await every group's verdict."""
+
+    def __init__(self, rank: int, ep_group, dp_group) -> None:
+        super().__init__()
+        self.ep_group, self.dp_group = ep_group, dp_group
+        torch.manual_seed(0)
+        self.embed = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, 1)
+        torch.manual_seed(1 + rank % EP)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = torch_ext.ops.all_reduce(self.embed(tokens), group=self.dp_group)
+        out = tokens
+        for branch, expert in enumerate(self.experts):
+            dispatched = TimedAllToAll.apply(self.ep_group, tokens.roll(branch, dims=0))
+            out = out + TimedAllToAll.apply(self.ep_group, expert(dispatched).tanh())
+        return self.head(out)
+
+
+def _straggler_step(rank: int, groups) -> dict:
+    """One backward of DataParallelLayer, rank 4 starting it STRAGGLE_S late: when it started, and when this
+    rank's EP all_to_alls finished."""
+    model = DataParallelLayer(rank, *groups)
+    tokens, target = _batch(rank, SWAP_STEP)
+    loss = F.mse_loss(model(tokens), target)
+    if rank == STRAGGLER:
+        time.sleep(STRAGGLE_S)
+    ep_backward_done.clear()
+    started = time.time()
+    with torch_ext.enable():
+        loss.backward()
+    return {"started": started, "ep_done": list(ep_backward_done)}
+
+
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 * rank + step)
     return torch.randn(TOKENS, DIM, generator=generator), torch.randn(TOKENS, 1, generator=generator)
@@ -170,7 +228,7 @@ def _swap_step(rank: int, groups, diverge: bool, reduce: bool, on_torch_ext: boo
 
 
 def _run_on_eight_ranks(rank: int) -> dict:
-    torch_ext.run_in_lane(GroupAllToAll)
+    torch_ext.run_in_lane(GroupAllToAll, TimedAllToAll)
     groups = _groups(rank)
     results: dict = {"train": {"stock": _train(rank, groups, False), "torch_ext": _train(rank, groups, True)}}
     checker = order_check._checker
@@ -178,6 +236,7 @@ def _run_on_eight_ranks(rank: int) -> dict:
     results["swap_stock"] = _swap_step(rank, groups, diverge=False, reduce=False, on_torch_ext=False)
     results["swap"] = _swap_step(rank, groups, diverge=True, reduce=False)
     results["swap_after"] = _swap_step(rank, groups, diverge=False, reduce=False)
+    results["straggler"] = _straggler_step(rank, groups)
     # Last: it leaves the DP groups out of step.
     results["swap_reducing"] = _swap_step(rank, groups, diverge=True, reduce=True)
     # The raising ranks stay until the others have met their timeout (gone, they would close the connections).
@@ -230,6 +289,18 @@ def test_the_next_backward_after_the_swap_gives_stock_bits(results):
             {k: result["swap_stock"][k] for k in ("loss", "grads")},
             f"rank {rank}",
         )
+
+
+def test_a_straggler_in_one_ep_group_does_not_hold_up_the_other_ep_groups_collectives(results):
+    """Rank 4 starts its backward late. Ranks 0 to 3 share only their DP groups with it: their EP all_to_alls
+    need only their EP group's verdict, so they all finish before rank 4 even starts; only the DP all_reduce,
+    last, waits for it. (Awaiting every verdict before the first collective, or one exchange over the world,
+    would hold them until rank 4 arrives.)"""
+    straggler_started = results[STRAGGLER]["straggler"]["started"]
+    for rank in range(EP):
+        done = results[rank]["straggler"]["ep_done"]
+        assert len(done) == 4, (rank, done)
+        assert max(done) < straggler_started, (rank, straggler_started - max(done))
 
 
 def test_ranks_outside_the_disagreeing_group_end_in_a_timeout_not_a_hang(results):

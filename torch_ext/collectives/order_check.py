@@ -37,8 +37,9 @@ import datetime
 import functools
 import hashlib
 import pickle
+import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -162,9 +163,23 @@ class _GroupExchange:
     group: Group
     compared: torch.Tensor
     work: Any
+    # None until waited for, then whether the members agree.
+    agreed: bool | None = None
 
-    def agreed(self) -> bool:
-        return int(self.compared[0]) == ~int(self.compared[1])
+    def verdict(self) -> bool:
+        """Waits for the exchange (the GIL released) and says whether the members agree."""
+        if self.agreed is None:
+            try:
+                self.work.wait()
+            except Exception as error:
+                error.add_note(
+                    f"torch_ext: raised by the collective order check's exchange over the gloo mirror of "
+                    f"{self.group.describe()}, before any collective of this backward on that group started: a "
+                    "rank of that group is gone or did not reach this backward in time"
+                )
+                raise
+            self.agreed = int(self.compared[0]) == ~int(self.compared[1])
+        return self.agreed
 
 
 @dataclass
@@ -173,18 +188,23 @@ class _Exchange:
     a mismatch needs."""
 
     fingerprints: list[tuple]
+    # Each collective's group, in the call's order.
+    collective_groups: list[Group]
     groups: dict[int, Group]
     exchanges: list[_GroupExchange]
     # The overlapped backward's (microbatch, forward's rule), None outside torch_ext.overlap_microbatches.
     overlap: tuple | None
-    # The first wait's outcome: None while not waited on, "" when the ranks agree, else the mismatch.
-    outcome: str | None = None
+    # None while a verdict is missing, "" when every group agrees, else the mismatch (or the exchange's error).
+    outcome: str | BaseException | None = None
+    # Held while a mismatch is named: two threads of this rank (the engine's, a lane's) must not both name it.
+    naming: threading.Lock = field(default_factory=threading.Lock)
 
 
 class _Checker:
     """The checker the engine calls (csrc/bindings/python_collectives.cpp): ``begin`` with a call's collective
-    sequence when its plan is made, on the thread running backward; ``wait`` before the call's first collective
-    or hook runs (on that thread or a lane's) and when the call ends, however it ends. Both with the GIL.
+    sequence when its plan is made, on the thread running backward; ``wait`` before each collective starts (on
+    that thread or a lane's), before the first hook runs and when the call ends, however it ends. Both with the
+    GIL.
 
     ``begin`` starts, for each group the call's collectives use, an asynchronous all_reduce of the digest of what
     that group's members must agree on (:func:`_seen_by`) over the group's mirror, and returns: the engine thread
@@ -228,31 +248,44 @@ class _Checker:
             exchanges.append(_GroupExchange(group, compared, group.mirror.allreduce([compared], _minimum())))
             self.bytes_sent += compared.nbytes
         self.exchanges += 1
-        return _Exchange(fingerprints, by_id, exchanges, overlap)
+        return _Exchange(fingerprints, groups, by_id, exchanges, overlap)
 
-    def wait(self, exchange: _Exchange) -> None:
+    def wait(self, exchange: _Exchange, collective: int | None = None) -> None:
         """Raises the mismatch ``begin``'s exchanges found, the same on every member of the group that disagrees.
-        The engine calls it for every exchange it began, also when the call failed first: a mismatch is named
-        with a second exchange that every member of that group takes part in."""
+        With ``collective`` (its index in the call's sequence), only the verdicts that collective needs: its
+        group's and those of the groups nested with it (containing it or contained in it), whose members it may
+        meet in that collective; without, every verdict (before a hook, which may communicate on any group, and
+        when the call ends). The engine calls it for every exchange it began, also when the call failed first:
+        a mismatch is named with a second exchange that every member of that group takes part in."""
         if exchange.outcome is None:
-            disagreeing = []
-            for group_exchange in exchange.exchanges:
-                try:
-                    group_exchange.work.wait()
-                except Exception as error:
-                    error.add_note(
-                        "torch_ext: raised by the collective order check's exchange over the gloo mirror of "
-                        f"{group_exchange.group.describe()}, before any collective of this backward on that group "
-                        "started: a rank of that group is gone or did not reach this backward in time"
-                    )
-                    raise
-                if not group_exchange.agreed():
-                    disagreeing.append(group_exchange.group)
-            # Every disagreeing group is named, in the exchanges' order: each of its members takes part.
-            mismatches = [self._name_mismatch(exchange, group) for group in disagreeing]
-            exchange.outcome = mismatches[0] if mismatches else ""
+            if collective is None:
+                needed = exchange.exchanges
+            else:
+                group = exchange.collective_groups[collective]
+                needed = [e for e in exchange.exchanges if e.group.within(group) or group.within(e.group)]
+            try:
+                if all(e.verdict() for e in needed):
+                    if collective is None:
+                        exchange.outcome = ""
+                    return
+                self._name_mismatches(exchange)
+            except Exception as error:  # noqa: BLE001 - kept, and raised again by every later wait of this call
+                exchange.outcome = exchange.outcome or error
+        if isinstance(exchange.outcome, BaseException):
+            raise exchange.outcome
         if exchange.outcome:
             raise RuntimeError(exchange.outcome)
+
+    def _name_mismatches(self, exchange: _Exchange) -> None:
+        """Names every disagreeing group's mismatch, in the exchanges' order, once for this rank: the members of
+        each take part in naming it, whichever of their threads found it first."""
+        with exchange.naming:
+            if exchange.outcome is not None:
+                return
+            # Every verdict first: a rank names the groups that disagree in one order, the same on every rank.
+            disagreeing = [e.group for e in exchange.exchanges if not e.verdict()]
+            mismatches = [self._name_mismatch(exchange, group) for group in disagreeing]
+            exchange.outcome = mismatches[0]
 
     @staticmethod
     def _name_mismatch(exchange: _Exchange, group: Group) -> str:

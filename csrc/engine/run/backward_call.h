@@ -329,15 +329,15 @@ class BackwardCall final : public HostedRun {
   // lanes and each collective's turn (collective_sequence.h).
   std::unique_ptr<CollectiveSequence> sequence_;
   // The collective order check of this call, when it is on: begun with the
-  // collective sequence, awaited before the first collective or hook runs
-  // (shared with the lanes, which may start the first collective) and before
-  // the call returns.
+  // collective sequence, awaited before each collective starts (its group's
+  // verdict; shared with the lanes, which start theirs), before the first
+  // hook runs and before the call returns (every verdict).
   std::shared_ptr<CollectiveOrderCheck> order_check_;
   // Where this call reports the collectives it starts, when it runs beside
   // the next microbatch's forward (collective_progress.h); taken from the
   // calling thread by the constructor, so a nested call has none.
   std::shared_ptr<CollectiveProgress> progress_;
-  // Whether this thread has seen the ranks agree (the engine thread asks no
+  // Whether this thread has seen every group agree (the engine thread asks no
   // more after that).
   bool order_check_passed_ = false;
   // Awaits the order check's verdict if `slot` starts a collective on this

@@ -60,9 +60,16 @@ void BackwardCall::await_order_check_before(int32_t slot) {
   // (dispatch_to_lane; its hooks run here), where there are lanes: split
   // backward's passes run it inline.
   const bool on_a_lane = sequence_ != nullptr && runs_in_lane(slot);
-  if (has_any_hooks(*node.fn) || (node.collective && !on_a_lane)) {
-    order_check_->await();
+  if (has_any_hooks(*node.fn)) {
+    order_check_->await(CollectiveOrderCheck::kEveryCollective);
     order_check_passed_ = true;
+  } else if (node.collective && !on_a_lane) {
+    // Split backward's passes have no sequence to say which collective this
+    // is: they await every verdict.
+    order_check_->await(
+        sequence_ != nullptr ? sequence_->place[slot]
+                             : CollectiveOrderCheck::kEveryCollective);
+    order_check_passed_ = sequence_ == nullptr;
   }
 }
 
@@ -240,7 +247,7 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
             start_only_planned_collectives_on_this_thread();
           }
           if (check != nullptr) {
-            check->await();
+            check->await(place);
           }
           if (issuing != nullptr) {
             // Here, on the lane: the engine thread runs the nodes that do not

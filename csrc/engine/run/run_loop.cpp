@@ -242,7 +242,7 @@ void BackwardCall::run(Node* host_node) {
     if (order_check_ != nullptr) {
       // A call that started no collective and ran no hook still hears about
       // a divergence before it returns.
-      order_check_->await();
+      order_check_->await(CollectiveOrderCheck::kEveryCollective);
     }
     // Collective results no node read (dropped, or delivered to nodes that
     // do not run) still complete before backward returns. A failure here is
