@@ -122,12 +122,18 @@ class GroupMirrors:
         self._by_ranks[ranks] = self._by_object[group] = known
         return known
 
+    def forget(self) -> None:
+        """Drops every mirror: the last reference to a ProcessGroupGloo joins its worker threads, which must not
+        outlive the interpreter (tests/distributed/test_clean_exit.py)."""
+        self._by_object = weakref.WeakKeyDictionary()
+        self._by_ranks = {}
+        self._default_group = None
+
     def forget_another_world(self) -> None:
         """Starts afresh under a new default group (destroy_process_group, then init_process_group again)."""
         default_group = dist.distributed_c10d._get_default_group()
         if self._default_group is None or self._default_group() is not default_group:
-            self._by_object = weakref.WeakKeyDictionary()
-            self._by_ranks = {}
+            self.forget()
             self._default_group = weakref.ref(default_group)
 
 

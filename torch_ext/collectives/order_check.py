@@ -33,6 +33,7 @@ issued outside its engine, or by hooks, are not seen.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import hashlib
@@ -56,6 +57,8 @@ ENVIRONMENT_VARIABLE = "TORCH_EXT_CHECK_COLLECTIVES"
 # Every group's mirror, made at its first use (group_mirrors.py) and kept for the next checker: a mirror made
 # again would reuse its store keys.
 _MIRRORS = GroupMirrors()
+# Before the interpreter finalizes, while their worker threads can still take the GIL.
+atexit.register(_MIRRORS.forget)
 
 
 def _process_group(node: Any) -> Any:
