@@ -32,6 +32,16 @@ from typing import TypeVar
 
 import torch
 
+# progress is re-exported: the scripts import it from here.
+from _hosts import (
+    MODES,
+    RANK_RESULTS_OPTION,
+    leave_rank,
+    progress,
+    run_on_two_hosts,
+    write_rank_result,
+)
+
 T = TypeVar("T")
 
 CSV_COLUMNS = ("what", "case", "size", "metric", "median", "p20", "p80", "torch_version", "git_sha")
@@ -83,12 +93,6 @@ def timed_blocking(fn: Callable[[], object]) -> tuple[float, float]:
     wall = time.perf_counter_ns() - start
     blocked = wall - (time.thread_time_ns() - cpu) - (_run_delay_ns() - delay)
     return wall / 1e9, max(0, blocked) / 1e9
-
-
-def progress(message: str) -> None:
-    """Prints a progress line: to stderr, flushed at once, so that stdout carries only results and
-    whoever watches a run (a terminal, ``python -m torch_ext bench`` reading the log) sees where it is."""
-    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -255,8 +259,6 @@ def sweep_parser(doc: str, name: str, quick_help: str, timeline_help: str | None
     ``parse_sweep_args``."""
     import argparse
 
-    from _hosts import MODES, RANK_RESULTS_OPTION
-
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--reps", type=int, help="timed repetitions of every variant at every sweep point")
@@ -331,8 +333,6 @@ def run_sweep(
     JSON-serializable) on every rank, and leaves. Otherwise runs the script on 2 ranks as 2 hosts, sampling the
     runnable tasks meanwhile, and reports: ``report(results, link, out, load)``, every rank's result in rank
     order, prints the table and writes the CSV. Returns the exit status."""
-    from _hosts import leave_rank, run_on_two_hosts, write_rank_result
-
     # Started by torchrun (it sets TORCHELASTIC_RUN_ID): one of the ranks.
     if args.rank_results is not None or "TORCHELASTIC_RUN_ID" in os.environ:
         results = _on_every_rank(run_rank)

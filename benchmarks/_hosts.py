@@ -43,8 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from _common import progress
-
 HOSTS = 2
 # The modelled NIC. At 1 Gbit/s a few MiB take tens of milliseconds, comparable to a few dense layers'
 # backward on one core here, and the HTB shaper (not memcpy) sets the transfer time.
@@ -80,6 +78,13 @@ class HostsRun:
     network: Network
     # Each rank's result, as it passed it to write_rank_result, in rank order.
     results: list
+
+
+def progress(message: str) -> None:
+    """Prints a progress line: to stderr, flushed at once, so that stdout carries only results and
+    whoever watches a run (a terminal, ``python -m torch_ext bench`` reading the log) sees where it is.
+    (Here, below ``_common``, which re-exports it: the benchmarks' helpers import in one direction.)"""
+    print(message, file=sys.stderr, flush=True)
 
 
 def write_rank_result(directory: str, result: object) -> None:

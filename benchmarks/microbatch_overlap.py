@@ -34,34 +34,18 @@ stock and the lane, the exposure of each phase: the sum of the microbatches' for
 compute's. The overlap's phases run at once, so it has the total only. Reported as medians, and the exposed
 communication as a fraction of stock's at the same point.
 
-The turns variant against the overlap, five quick runs (the variants alternating in one process): exposed 0.42 /
-0.45 / 0.33 / 0.36 / 0.37 of stock's against 0.48 / 0.46 / 0.40 / 0.42 / 0.43; at dense/comm 0.5 0.48 / 0.52 /
-0.34 / 0.45 / 0.46 against 0.62 / 0.61 / 0.39 / 0.54 / 0.57, at 1 0.38 / 0.46 / 0.31 / 0.37 / 0.32 against 0.38 /
-0.40 / 0.39 / 0.40 / 0.37, at 2 0.40 / 0.37 / 0.35 / 0.27 / 0.33 against 0.43 / 0.38 / 0.42 / 0.33 / 0.36. In
-separate runs, one rule per run (before the variant existed; four runs in turns, three not), the sweep means read
-0.43-0.48 against 0.47-0.48: lower at 0.5 (0.43-0.57 against 0.57-0.63), noisier at 2 (0.32-0.48 against
-0.38-0.42).
-
-What bounds the overlap here (traced on this machine). Microbatch 0's forward all_to_alls have no backward beside
-them, and the last backward's dispatch gradient has nothing after it: 3 of the step's 4 x N_MICROBATCHES
-all_to_alls, a floor of 3 / (4 N) of stock's exposed: 0.19 with 4 microbatches, 0.09 with the 8 used here. Below a ratio of ~0.8 a microbatch's all_to_alls, one after another (combine's gradient,
-the expert's backward, dispatch's gradient beside the next forward's dispatch, its expert, its combine), outlast
-the compute beside them. Above it the overlap is compute-bound: at 21 layers each backward beside the next
-forward took 108-145 ms, a microbatch's sequential forward and backward 113 ms. But on these 2 cores two compute
-threads per rank cost more than one: a compute-only overlap step (the all_to_alls the identity) took 1.01-1.14 x
-the sequential compute step, and an all_to_all beside one busy thread per rank took 8.6-14 ms instead of 5.6 (20 ms
-beside a thread running Python, which holds the GIL).
+What bounds the overlap here: microbatch 0's forward all_to_alls have no backward beside them, and the last
+backward's dispatch gradient has nothing after it, 3 of the step's 4 x N_MICROBATCHES all_to_alls (a floor of
+3 / (4 N) of stock's exposed); at low compute a microbatch's all_to_alls, one after another, outlast the compute
+beside them; and on this 2-core machine two compute threads per rank cost more than one.
 
 CPU time: each variant's step also records the CPU time its process used (``time.process_time``, every thread),
 and the table's ``cpu +ms`` is that above the same repetition's ``compute`` step's. With two ranks on two cores, a
-rank has about one core: CPU time a variant adds cannot hide behind anything, only waiting can. gloo's own threads
-use ~0.9 ms of CPU per all_to_all (per-thread CPU time over 200 all_to_alls, 29 ms a step), yet stock adds 25-120
-ms a step: compute that waits in between runs slower on this VM (in one process, 4 x (forward, backward) of 5
-dense layers took 98-105 ms of CPU back to back, 111-134 ms with a 0.5-8 ms sleep after each phase). The overlap
-adds more, and more as the model deepens (78-83 / 99-117 / 85-173 ms at x0.5 / x1 / x2 in three quick runs, stock
-39-64 / 83-91 / 25-73): the waits' cost, and two microbatches interleaving on one core (with the all_to_alls the
-identity, an overlapped step took 1.02-1.06 x the sequential one's time at 20 layers, 8 steps each). That part of
-its exposure, 0.27-0.37 of stock's exposure in quick runs, no order of work removes here; the summary prints it.
+rank has about one core: CPU time a variant adds cannot hide behind anything, only waiting can; the summary
+prints that part of the exposure.
+
+The figures (each rule's runs, what was traced, the CPU costs) are in docs/benchmarks.md, "Overlap across
+microbatches", and docs/guides/moe.md, with the runs that made them.
 
 Peak memory: there are no allocator statistics on CPU, so one untimed step per variant counts the activations
 held at once: a saved-tensors pack hook tallies the bytes of every distinct storage autograd saved (parameters and
