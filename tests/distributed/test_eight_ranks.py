@@ -13,7 +13,7 @@ over the rank's EP group's mirror only: four ranks, 16 bytes.
 - A swap in one EP group (rank 7 starts its two combines in the opposite order), DDP not reducing in that
   backward (``no_sync``): ranks 4 to 7 raise the same error naming ranks 4 and 7; ranks 0 to 3, whose group
   agrees, finish that backward with stock's bits; the next backward, agreeing, gives stock's bits everywhere.
-- A straggler: rank 4 starts a backward 3 s late, in a layer whose backward plans collectives on both groups
+- A straggler: rank 4 starts a backward 2 s late, in a layer whose backward plans collectives on both groups
   (the EP all_to_alls, then torch_ext's own all_reduce on the DP group). Ranks 0 to 3 finish all their EP
   all_to_alls before rank 4 starts: a collective awaits only its own group's verdict.
 - The same swap with DDP reducing: ranks 0 to 3 pass their check and wait in DDP's all_reduce for their DP
@@ -67,10 +67,10 @@ AUTOMATIC_COLLECTIVE_PRIORITY = 2**62
 KILLED_RANK = 5
 # The rank that starts a backward late, and by how much.
 STRAGGLER = 4
-STRAGGLE_S = 3.0
+STRAGGLE_S = 2.0
 # The DP groups' timeout: where a DP peer raised or died, a rank waiting for it in DDP's all_reduce fails within
 # it. The EP groups and the check keep the harness's (a loaded 2-core machine runs eight ranks).
-DP_TIMEOUT_S = 10
+DP_TIMEOUT_S = 8
 GLOO_ERROR = re.compile(r"Connection (reset|closed) by peer|Timed out")
 
 
