@@ -6,16 +6,18 @@ tests/distributed/test_collective_order.py, test_four_ranks.py and test_eight_ra
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
 
 import torch_ext
 from torch_ext.collectives import order_check
-from torch_ext.collectives.group_mirrors import Group, group_id
+from torch_ext.collectives.group_mirrors import Group, GroupMirrors, group_id
 
 
 def test_a_group_id_is_the_same_in_every_process():
@@ -70,11 +72,17 @@ def test_a_mirror_is_made_at_a_groups_first_use_once_per_rank_list(one_rank_worl
     assert registry.of(object(), None) is None
 
 
-def test_making_a_mirror_leaves_the_environment_as_it_was(one_rank_world, monkeypatch):
-    monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
-    order_check._MIRRORS.forget_another_world()
-    order_check._MIRRORS.of(dist.new_group([0], use_local_synchronization=True), None)
-    assert "TORCH_GLOO_LAZY_INIT" not in os.environ
+def test_a_mirror_connects_lazily_so_making_it_waits_for_no_rank(one_rank_world):
+    """A mirror of a group whose other members have not come: made at once (an eagerly connected gloo group
+    waits in the store for them, here until its timeout)."""
+    mirrors = GroupMirrors()
+    mirrors.forget_another_world()
+    made_up = dist.new_group([0])  # stands for a two-rank group: only the registry's record of it is changed
+    dist.distributed_c10d._world.pg_group_ranks[made_up] = {0: 0, 1: 1}
+    start = time.monotonic()
+    group = mirrors.of(made_up, datetime.timedelta(seconds=30))
+    assert group.ranks == (0, 1) and group.mirror.size() == 2
+    assert time.monotonic() - start < 5
 
 
 def test_the_group_argument_is_ignored_with_a_warning(one_rank_world):

@@ -9,7 +9,8 @@ instead of a rank list, and the check's cost per backward does not grow with the
 **Made without a hang, whenever first needed.** ``torch.distributed.new_group`` must be called by every rank
 of the world in one order, because making a group synchronizes its members. A mirror does not: it is a
 ``ProcessGroupGloo`` made from the default store under a prefix of its own (the group's id), with gloo's lazy
-connection (``TORCH_GLOO_LAZY_INIT``, PyTorch's documented switch). Making it writes this rank's address to
+connection (what PyTorch's documented ``TORCH_GLOO_LAZY_INIT=1`` makes, asked of the mirror's devices rather
+than of the environment). Making it writes this rank's address to
 the store and returns at once; a pair of members connects when it first exchanges, which is when the members
 compare a backward anyway. So a rank makes a group's mirror the first time a backward's collective uses the
 group, in any order relative to its other groups and without waiting for anyone: nothing is made per world,
@@ -24,7 +25,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,22 +137,18 @@ class GroupMirrors:
             self._default_group = weakref.ref(default_group)
 
 
-# TORCH_GLOO_LAZY_INIT is read when a ProcessGroupGloo is made: set for that call only, one call at a time.
-_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
-_making_a_mirror = threading.Lock()
-
-
 def _lazily_connected_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-    with _making_a_mirror:
-        before = os.environ.get(_LAZY_INIT)
-        os.environ[_LAZY_INIT] = "1"
-        try:
-            return dist.ProcessGroupGloo(store, rank, size, timeout)
-        finally:
-            if before is None:
-                del os.environ[_LAZY_INIT]
-            else:
-                os.environ[_LAZY_INIT] = before
+    """A ProcessGroupGloo whose pairs connect at their first exchange: what ``TORCH_GLOO_LAZY_INIT=1`` makes,
+    asked of its devices instead of the process's environment. The devices are the ones PyTorch's own
+    constructor picks: one per interface of ``GLOO_SOCKET_IFNAME``, else the host's default."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if interfaces:
+        options._devices = [dist.ProcessGroupGloo.create_device(interface=name, lazy_init=True) for name in interfaces]
+    else:
+        options._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def _timeout_of(group: Any) -> datetime.timedelta:
