@@ -65,6 +65,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_ext import engine as _engine
+from torch_ext._handed_backward import handing
 from torch_ext._loader import _C
 
 # The rules for the next forward's collectives, by their values in bindings/python_overlap.cpp's ForwardRule.
@@ -174,16 +175,13 @@ class MicrobatchOverlap:
         self._in_flight = microbatch
 
         def job() -> None:
-            _handed.backward = (microbatch, rule)
             if stream is not None:
                 # Streams are not part of the thread-local state: the caller's current stream becomes the
                 # backward thread's, so that backward ends by making it wait for the leaf streams (stock's rule:
                 # .grad is ready on the caller's current stream).
                 torch.accelerator.set_stream(stream)
-            try:
+            with handing(microbatch, rule):
                 _C._run_in_thread_state(state, run)
-            finally:
-                _handed.backward = None
 
         with self._jobs_ready:
             self._jobs.append(job)
@@ -481,17 +479,6 @@ def _functional_collective(func: Any) -> str | None:
                 name = schema.name
         _functional_collective_names[func] = name
     return name or None
-
-
-# The backward thread's handed backward: (microbatch, the rule for the next forward's collectives).
-_handed = threading.local()
-
-
-def handed_backward() -> tuple[int, str] | None:
-    """The backward this thread runs for an overlap, as ``(microbatch, the rule for the next forward's collectives)``
-    (a ``forward_collectives`` value); None on any other thread (the collective order check compares it across
-    ranks)."""
-    return getattr(_handed, "backward", None)
 
 
 def overlap_microbatches(forward_collectives: str = "after_backward_collectives") -> MicrobatchOverlap:

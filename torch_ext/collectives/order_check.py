@@ -46,8 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_ext import microbatches as _microbatches
 from torch_ext._api import deprecated
+from torch_ext._handed_backward import handed_backward
 from torch_ext._loader import _C, switch_on
 from torch_ext.collectives.group_mirrors import Group, GroupMirrors
 from torch_ext.collectives.lanes import _GROUP_OF
@@ -243,7 +243,7 @@ class _Checker:
         # A backward that runs beside the next forward (torch_ext.overlap_microbatches): the ranks must also agree
         # on which microbatch it is and on the rule for the forward's collectives, or the two threads' collectives
         # would interleave differently by rank.
-        overlap = _microbatches.handed_backward()
+        overlap = handed_backward()
         exchanges = []
         for group in sorted(by_id.values(), key=lambda group: group.ranks):
             digest = _digest((overlap, _seen_by(fingerprints, group, by_id)))
