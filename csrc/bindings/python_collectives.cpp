@@ -520,15 +520,17 @@ class PythonOrderCheck final : public CollectiveOrderCheck {
         mismatch.persist();
         throw mismatch;
       }
+      // True once every group's verdict is in and agrees: later questions
+      // need not take the GIL (a lane may wait milliseconds for it).
+      if (result.get() == Py_True) {
+        every_verdict_in_.store(true, std::memory_order_release);
+      }
     } catch (...) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!mismatch_) {
         mismatch_ = std::current_exception();
       }
       std::rethrow_exception(mismatch_);
-    }
-    if (collective == kEveryCollective) {
-      every_verdict_in_.store(true, std::memory_order_release);
     }
   }
 

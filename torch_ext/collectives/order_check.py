@@ -253,13 +253,16 @@ class _Checker:
         self.exchanges += 1
         return _Exchange(fingerprints, groups, by_id, exchanges, overlap)
 
-    def wait(self, exchange: _Exchange, collective: int | None = None) -> None:
+    def wait(self, exchange: _Exchange, collective: int | None = None) -> bool:
         """Raises the mismatch ``begin``'s exchanges found, the same on every member of the group that disagrees.
         With ``collective`` (its index in the call's sequence), only the verdicts that collective needs: its
         group's and those of the groups nested with it (containing it or contained in it), whose members it may
         meet in that collective; without, every verdict (before a hook, which may communicate on any group, and
         when the call ends). The engine calls it for every exchange it began, also when the call failed first:
-        a mismatch is named with a second exchange that every member of that group takes part in."""
+        a mismatch is named with a second exchange that every member of that group takes part in.
+
+        Returns whether every group's verdict is in and agrees: the engine then asks no more for this call (each
+        question takes the GIL, which a lane may wait milliseconds for)."""
         if exchange.outcome is None:
             if collective is None:
                 needed = exchange.exchanges
@@ -268,9 +271,9 @@ class _Checker:
                 needed = [e for e in exchange.exchanges if e.group.within(group) or group.within(e.group)]
             try:
                 if all(e.verdict() for e in needed):
-                    if collective is None:
+                    if all(e.agreed for e in exchange.exchanges):
                         exchange.outcome = ""
-                    return
+                    return exchange.outcome == ""
                 self._name_mismatches(exchange)
             except Exception as error:  # noqa: BLE001 - kept, and raised again by every later wait of this call
                 exchange.outcome = exchange.outcome or error
@@ -278,6 +281,7 @@ class _Checker:
             raise exchange.outcome
         if exchange.outcome:
             raise RuntimeError(exchange.outcome)
+        return True
 
     def _name_mismatches(self, exchange: _Exchange) -> None:
         """Names every disagreeing group's mismatch, in the exchanges' order, once for this rank: the members of
