@@ -9,6 +9,7 @@ both engines (:func:`train_on_both_engines`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -79,6 +80,45 @@ def ran_on_torch_ext(events: EventList) -> bool:
     torch_ext's host task runs its driver node on the stock engine, and stock never does.
     """
     return any("torch_ext::BackwardDriver" in event.name for event in events)
+
+
+def parameter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of each parameter's gradient, by name."""
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def train_steps(
+    model: torch.nn.Module,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    on_torch_ext: bool,
+    first_backward: Callable[[EventList], dict] = lambda events: {"driver_ran": ran_on_torch_ext(events)},
+) -> dict:
+    """``steps`` AdamW steps (lr 0.01, MSE against ``batch(step)``'s targets) on either engine: each step's loss
+    and gradients, the final parameters, and what ``first_backward`` reads from the first backward's profiled
+    events (by default whether it ran on torch_ext)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    result: dict = {"losses": [], "grads": []}
+    with torch_ext.enable() if on_torch_ext else contextlib.nullcontext():
+        for step in range(steps):
+            tokens, target = batch(step)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(tokens), target)
+            if step == 0:
+                result.update(first_backward(profiled_backward(loss)))
+            else:
+                loss.backward()
+            result["losses"].append(loss.detach())
+            result["grads"].append(parameter_grads(model))
+            optimizer.step()
+    result["params"] = {name: param.detach().clone() for name, param in model.named_parameters()}
+    return result
+
+
+def rank_batch(rank: int, step: int, tokens: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens x dim inputs, tokens x 1 targets)``, different on every rank and step, the same in every run."""
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(tokens, dim, generator=generator), torch.randn(tokens, 1, generator=generator)
 
 
 def assert_torch_ext_matches_stock(rank_results: list[dict], case_name: str) -> None:

@@ -39,9 +39,10 @@ import torch.nn.functional as F
 from _harness import (
     assert_identical,
     assert_torch_ext_matches_stock,
-    profiled_backward,
-    ran_on_torch_ext,
+    parameter_grads,
+    rank_batch,
     run_ranks,
+    train_steps,
 )
 from test_faults import _run as run_with_a_fault
 from test_faults import report_rank_result
@@ -166,7 +167,7 @@ def _straggler_step(rank: int, groups) -> dict:
     """One backward of DataParallelLayer, rank 4 starting it STRAGGLE_S late: when it started, and when this
     rank's EP all_to_alls finished."""
     model = DataParallelLayer(rank, *groups)
-    tokens, target = _batch(rank, SWAP_STEP)
+    tokens, target = rank_batch(rank, SWAP_STEP, TOKENS, DIM)
     loss = F.mse_loss(model(tokens), target)
     if rank == STRAGGLER:
         time.sleep(STRAGGLE_S)
@@ -177,40 +178,17 @@ def _straggler_step(rank: int, groups) -> dict:
     return {"started": started, "ep_done": list(ep_backward_done)}
 
 
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 * rank + step)
-    return torch.randn(TOKENS, DIM, generator=generator), torch.randn(TOKENS, 1, generator=generator)
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: param.grad.clone() for name, param in model.named_parameters()}
-
-
 def _train(rank: int, groups, on_torch_ext: bool) -> dict:
-    model = ExpertParallelLayer(rank, *groups)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    result: dict = {"losses": [], "grads": [], "driver_ran": None}
-    with torch_ext.enable() if on_torch_ext else contextlib.nullcontext():
-        for step in range(STEPS):
-            tokens, target = _batch(rank, step)
-            optimizer.zero_grad()
-            loss = F.mse_loss(model(tokens), target)
-            if step == 0:
-                result["driver_ran"] = ran_on_torch_ext(profiled_backward(loss))
-            else:
-                loss.backward()
-            result["losses"].append(loss.detach())
-            result["grads"].append(_grads(model))
-            optimizer.step()
-    result["params"] = {name: param.detach().clone() for name, param in model.named_parameters()}
-    return result
+    return train_steps(
+        ExpertParallelLayer(rank, *groups), lambda step: rank_batch(rank, step, TOKENS, DIM), STEPS, on_torch_ext
+    )
 
 
 def _swap_step(rank: int, groups, diverge: bool, reduce: bool, on_torch_ext: bool = True) -> dict:
     """One backward of a fresh layer, the combines given priorities: with ``diverge``, reversed on rank 7 only;
     with ``reduce``, DDP reduces the dense path's gradients in it."""
     model = ExpertParallelLayer(rank, *groups)
-    tokens, target = _batch(rank, SWAP_STEP)
+    tokens, target = rank_batch(rank, SWAP_STEP, TOKENS, DIM)
     with contextlib.nullcontext() if reduce else model.dense.no_sync():
         loss = F.mse_loss(model(tokens), target)
     first, second = model.combined
@@ -224,7 +202,7 @@ def _swap_step(rank: int, groups, diverge: bool, reduce: bool, on_torch_ext: boo
             loss.backward()
     except RuntimeError as error:
         return {"error": str(error), "elapsed": time.monotonic() - start}
-    return {"error": None, "loss": loss.detach(), "grads": _grads(model)}
+    return {"error": None, "loss": loss.detach(), "grads": parameter_grads(model)}
 
 
 def _run_on_eight_ranks(rank: int) -> dict:
@@ -335,7 +313,7 @@ def _killed_rank(rank: int, port: int, fault: str, through: str, out_dir: str) -
         for step in range(STEPS):
             start = time.monotonic()
             try:
-                tokens, target = _batch(rank, step)
+                tokens, target = rank_batch(rank, step, TOKENS, DIM)
                 loss = F.mse_loss(model(tokens), target)
                 if step == 1 and rank == KILLED_RANK:
                     model.combined[0].grad_fn.register_prehook(lambda grads: os._exit(1))

@@ -40,9 +40,11 @@ from _harness import (
     assert_identical,
     assert_torch_ext_matches_stock,
     node_threads,
-    profiled_backward,
+    parameter_grads,
     ran_on_torch_ext,
+    rank_batch,
     run_ranks,
+    train_steps,
 )
 from test_faults import _run as run_with_a_fault
 from test_faults import report_rank_result
@@ -142,44 +144,22 @@ class ExpertParallelLayer(nn.Module):
         return self.head(out)
 
 
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 * rank + step)
-    return torch.randn(TOKENS, DIM, generator=generator), torch.randn(TOKENS, 1, generator=generator)
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: param.grad.clone() for name, param in model.named_parameters()}
-
-
 def _train(rank: int, groups, on_torch_ext: bool) -> dict:
-    """STEPS AdamW steps from the same initial state on either engine: every loss, gradient and parameter."""
-    model = ExpertParallelLayer(rank, *groups)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    result = {"losses": [], "grads": [], "driver_ran": None, "threads": None}
-    with torch_ext.enable() if on_torch_ext else contextlib.nullcontext():
-        for step in range(STEPS):
-            tokens, target = _batch(rank, step)
-            optimizer.zero_grad()
-            loss = F.mse_loss(model(tokens), target)
-            if step == 0:
-                events = profiled_backward(loss)
-                result["driver_ran"], result["threads"] = (
-                    ran_on_torch_ext(events),
-                    node_threads(events, lambda name: name.endswith("_AllToAllBackward")),
-                )
-            else:
-                loss.backward()
-            result["losses"].append(loss.detach())
-            result["grads"].append(_grads(model))
-            optimizer.step()
-    result["params"] = {name: param.detach().clone() for name, param in model.named_parameters()}
-    return result
+    """STEPS AdamW steps from the same initial state on either engine: every loss, gradient and parameter, and
+    the threads the first backward ran its all_to_alls and dense nodes on."""
+
+    def first_backward(events) -> dict:
+        threads = node_threads(events, lambda name: name.endswith("_AllToAllBackward"))
+        return {"driver_ran": ran_on_torch_ext(events), "threads": threads}
+
+    batch = lambda step: rank_batch(rank, step, TOKENS, DIM)
+    return train_steps(ExpertParallelLayer(rank, *groups), batch, STEPS, on_torch_ext, first_backward)
 
 
 def _swap_step(rank: int, groups, diverge: bool, on_torch_ext: bool) -> dict:
     """One backward of a fresh layer, the combines given priorities: with ``diverge``, reversed on rank 3 only."""
     model = ExpertParallelLayer(rank, *groups)
-    tokens, target = _batch(rank, SWAP_STEP)
+    tokens, target = rank_batch(rank, SWAP_STEP, TOKENS, DIM)
     # No DP all_reduce in this backward (DDP decides in forward): a rank of the agreeing EP group would wait in it
     # for a raising one.
     with model.dense.no_sync():
@@ -195,7 +175,7 @@ def _swap_step(rank: int, groups, diverge: bool, on_torch_ext: bool) -> dict:
             loss.backward()
     except RuntimeError as error:
         return {"error": str(error)}
-    return {"error": None, "loss": loss.detach(), "grads": _grads(model)}
+    return {"error": None, "loss": loss.detach(), "grads": parameter_grads(model)}
 
 
 def _divergence_cases(rank: int, groups) -> dict:
@@ -324,7 +304,7 @@ def _killed_rank(rank: int, port: int, fault: str, through: str, out_dir: str) -
                 start = time.monotonic()
             phase = "forward"
             try:
-                tokens, target = _batch(rank, step)
+                tokens, target = rank_batch(rank, step, TOKENS, DIM)
                 optimizer.zero_grad()
                 loss = F.mse_loss(model(tokens), target)
                 if step == KILL_STEP and rank == KILLED_RANK:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from _harness import (
     WORLD_SIZE,
     assert_torch_ext_matches_stock,
+    parameter_grads,
     profiled_backward,
     ran_on_torch_ext,
     run_ranks,
@@ -93,7 +94,7 @@ def _train(case: None, rank: int, on_torch_ext: bool) -> dict:
                 driver_ran = ran_on_torch_ext(profiled_backward(loss))
             else:
                 loss.backward()
-            grads.append({name: param.grad.clone() for name, param in model.named_parameters()})
+            grads.append(parameter_grads(model))
             optimizer.step()
             params.append({name: param.detach().clone() for name, param in model.named_parameters()})
             splits.append(send)
