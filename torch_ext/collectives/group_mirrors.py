@@ -40,8 +40,8 @@ _STORE_PREFIX = "torch_ext_order_check"
 @dataclass(frozen=True, eq=False)
 class Group:
     """A process group as the check knows it: ``id``, the same on every rank for the same ``ranks`` (global
-    ranks, in group-rank order); ``mirror``, a gloo group over the same ranks (None for a group made up by a
-    benchmark)."""
+    ranks, in group-rank order); ``mirror``, a gloo group over the same ranks (None for a group rebuilt from
+    another rank's fingerprints to name a mismatch, which is never exchanged over)."""
 
     id: int
     ranks: tuple[int, ...]
