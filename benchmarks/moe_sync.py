@@ -163,7 +163,7 @@ def variant_engine(variant: str, function: type):
         torch_ext.run_in_lane(function)
     checked = variant == "checked"
     if checked:
-        # Its groups' mirrors are made at the first switch-on, in _check_bits, before anything is timed.
+        # Its group's mirror is made at the first checked backward, in _check_bits, before anything is timed.
         torch_ext.check_collective_order()
     try:
         with torch_ext.enable():
