@@ -12,6 +12,7 @@ import os
 import random
 import re
 import statistics
+import struct
 import subprocess
 import sys
 import textwrap
@@ -26,8 +27,9 @@ from torch.autograd.variable import Variable
 
 import torch_ext
 from torch_ext.__main__ import main as torch_ext_main
-from torch_ext.testing import assert_identical
+from torch_ext.testing import assert_identical, identity_difference
 from torch_ext.verify import _verify
+from torch_ext.verify._compare import _compare_values
 
 # Graphs far too small to gain from intra-op threads (conftest.py).
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -369,3 +371,44 @@ def test_report_says_which_times_are_cold():
     one_step = torch_ext.verify(step, models=[model], optimizers=[optimizer]).summary()
     assert "warm backward time" not in one_step
     assert "steps=2 or more (--steps 2) reports warm ones too" in one_step
+
+
+def _float32_nan(payload_flip: int = 0) -> torch.Tensor:
+    """torch's NaN as a float32[1], the bits ``payload_flip`` sets flipped in its payload (the low mantissa bits)."""
+    return (torch.tensor([float("nan")]).view(torch.int32) ^ payload_flip).view(torch.float32)
+
+
+def _float64_nan(payload: int) -> float:
+    """A Python float NaN with ``payload`` in its mantissa's low bits."""
+    return struct.unpack("<d", struct.pack("<Q", 0x7FF8_0000_0000_0000 | payload))[0]
+
+
+def test_nans_are_equal_whatever_their_payload_in_testing_and_in_verify():
+    # One rule for both (torch_ext.testing._elements_differ): a NaN equals any NaN, every number is compared by its
+    # bits. Both sides of each pair are checked through testing's identity_difference and verify's comparison.
+    nan, flipped = _float32_nan(), _float32_nan(1)
+    assert flipped.isnan().all() and not torch.equal(nan.view(torch.int32), flipped.view(torch.int32))
+    equal = [
+        (nan, nan.clone()),  # the same payload
+        (nan, flipped),  # different payloads
+        (-nan, nan),  # the sign bit flipped
+        (torch.complex(nan, torch.ones(1)), torch.complex(flipped, torch.ones(1))),
+        (_float64_nan(0), _float64_nan(1)),  # Python floats, as a step returns them
+        (complex(_float64_nan(1), 0.0), complex(_float64_nan(2), 0.0)),
+    ]
+    for stock, ours in equal:
+        assert identity_difference(ours, stock) is None, (stock, ours)
+        assert _compare_values(stock, ours) is None, (stock, ours)
+    different = [(nan, torch.ones(1)), (torch.zeros(1), -torch.zeros(1)), (0.0, -0.0), (_float64_nan(1), 1.0)]
+    for stock, ours in different:
+        assert identity_difference(ours, stock) is not None, (stock, ours)
+        assert _compare_values(stock, ours) is not None, (stock, ours)
+    assert _compare_values(nan, torch.ones(1)) == "1 of 1 elements differ"
+    assert _compare_values(0.0, -0.0) == "stock 0.0, torch_ext -0.0"
+
+    # Through verify itself: a step whose returned NaN has another payload on torch_ext is identical.
+    def step():
+        return _float32_nan(1 if torch_ext.is_enabled() else 0)
+
+    report = torch_ext.verify(step)
+    assert report.identical and report.compared == 1, report.summary()

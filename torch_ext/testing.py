@@ -2,7 +2,7 @@
 
 :func:`assert_identical` (and :func:`identity_difference`, its message or None): the one test of "the same result"
 that torch_ext's tests hold the engine to, bit for bit, dtype, shape and strides included, NaNs equal where both hold
-them.
+them. ``torch_ext.verify`` compares by the same rule (``_elements_differ`` and :func:`identity_difference`).
 
 The TorchRec DLRM sharded table-wise over the ranks of the default process group (tests/distributed/test_torchrec.py,
 tests/distributed/test_verify_distributed.py, benchmarks/recsys_torchrec.py). TorchRec is imported only when one is
@@ -12,7 +12,7 @@ tools/clean_exit_repro.py).
 
 from __future__ import annotations
 
-import math
+import cmath
 import struct
 from collections.abc import Mapping, Sequence
 
@@ -128,6 +128,23 @@ def _bits_differ(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     return actual.view(bits) != expected.view(bits)
 
 
+def _elements_differ(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Where two strided tensors of one dtype and shape hold different elements: the rule of "the same" for every
+    comparison torch_ext makes (:func:`identity_difference` and ``torch_ext.verify``). Floating point and complex
+    elements are compared by their bits (-0.0 is not 0.0), except NaNs: a NaN equals any NaN, whatever its payload
+    and sign. Other dtypes by ``!=``."""
+    if not (actual.is_floating_point() or actual.is_complex()):
+        return actual != expected
+    # Why a NaN's payload does not count. IEEE 754 fixes every bit of an arithmetic result except a NaN's payload
+    # and sign: which input NaN a result carries is left open (x86 passes on the first operand's when both are NaN,
+    # CUDA returns one canonical NaN). So a + b and b + a, the same bits for every number, can differ in a NaN's
+    # payload: it tells nothing about whether the engine computed what stock did, and "NaN where stock has NaN" is
+    # what the same result means there. Python's floats and complex numbers follow the same rule (_number_bits). A
+    # complex element is a NaN where either part is (Tensor.isnan).
+    nan_actual, nan_expected = actual.isnan(), expected.isnan()
+    return (nan_actual != nan_expected) | (~nan_actual & ~nan_expected & _bits_differ(actual, expected))
+
+
 def _tensor_difference(actual: torch.Tensor, expected: torch.Tensor, compare_strides: bool) -> str | None:
     kind, expected_kind = (f"{t.dtype}{list(t.shape)} on {t.device}, {t.layout}" for t in (actual, expected))
     if kind != expected_kind:
@@ -139,12 +156,7 @@ def _tensor_difference(actual: torch.Tensor, expected: torch.Tensor, compare_str
         actual, expected = actual.to_dense(), expected.to_dense()
     elif compare_strides and actual.stride() != expected.stride():
         return f"strides {actual.stride()} != {expected.stride()}"
-    if actual.is_floating_point() or actual.is_complex():
-        # NaNs are equal where both hold them, whatever their payload; every other element is compared by its bits.
-        nan_actual, nan_expected = actual.isnan(), expected.isnan()
-        differ = (nan_actual != nan_expected) | (~nan_actual & ~nan_expected & _bits_differ(actual, expected))
-    else:
-        differ = actual != expected
+    differ = _elements_differ(actual, expected)
     if not differ.any():
         return None
     positions = differ.nonzero()
@@ -162,8 +174,9 @@ def _tensor_difference(actual: torch.Tensor, expected: torch.Tensor, compare_str
     return message
 
 
-def _float_bits(value: float) -> bytes:
-    return b"nan" if math.isnan(value) else struct.pack("<d", value)
+def _number_bits(value: complex) -> bytes:
+    """A float's or a complex number's bits, every NaN the same (the rule of :func:`_elements_differ`)."""
+    return b"nan" if cmath.isnan(value) else struct.pack("<dd", value.real, value.imag)
 
 
 def identity_difference(actual, expected, *, compare_strides: bool = True) -> str | None:
@@ -197,8 +210,8 @@ def identity_difference(actual, expected, *, compare_strides: bool = True) -> st
         return None if difference is None else f": {difference}"
     if type(actual) is not type(expected):
         return f": {type(actual).__name__} {actual!r} != {type(expected).__name__} {expected!r}"
-    if isinstance(expected, float):
-        same = _float_bits(actual) == _float_bits(expected)
+    if isinstance(expected, (float, complex)):
+        same = _number_bits(actual) == _number_bits(expected)
     else:
         same = actual == expected
     return None if same else f": {actual!r} != {expected!r}"
@@ -213,7 +226,8 @@ def assert_identical(actual, expected, where: str = "", *, compare_strides: bool
       ``compare_strides=False`` leaves strides out: only for a layout stock itself does not fix, and the caller says
       why where it passes it.
     - None equals None only; lists and tuples are the same type and length, element by element; mappings have the
-      same keys, value by value; anything else is the same type and ``==`` (floats by their bits, NaN equal to NaN).
+      same keys, value by value; anything else is the same type and ``==`` (floats and complex numbers by their bits,
+      NaN equal to NaN).
 
     The message names ``where`` and the path to the first difference: ``"rank 0['grads'][1]: strides ..."``.
     """
