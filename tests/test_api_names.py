@@ -13,6 +13,7 @@ import torch
 import torch_ext
 import torch_ext.collectives
 from torch_ext import kernels
+from torch_ext._handed_backward import handed_backward
 
 
 def _deprecated_call(name: str, replacement: str, call):
@@ -134,6 +135,26 @@ def test_kernels_names_warn_and_work():
             "torch_ext.kernels.triton_enabled", "torch_ext.kernels.is_triton_enabled", kernels.triton_enabled
         )
     assert kernels.is_triton_enabled() == installed
+
+
+def test_microbatch_overlap_run_backward_warns_and_keeps_its_default():
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+
+    def backward() -> None:
+        seen.append(handed_backward()[1])
+        (x * 3).sum().backward()
+
+    with torch_ext.overlap_microbatches() as overlap:
+        _deprecated_call(
+            "torch_ext.MicrobatchOverlap.run_backward",
+            "torch_ext.MicrobatchOverlap.backward_by, whose forward_collectives defaults to the window's rule "
+            "(run_backward's: 'after_backward')",
+            lambda: overlap.run_backward(backward),
+        )
+    # Its old default, not the window's ("after_backward_collectives"), as before the rename.
+    assert seen == ["after_backward"]
+    assert torch.equal(x.grad, torch.full((2,), 3.0))
 
 
 def test_deprecated_names_stay_out_of_all():

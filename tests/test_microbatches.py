@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import torch_ext
+from torch_ext._handed_backward import handed_backward
 
 
 def _model() -> nn.Module:
@@ -113,6 +114,31 @@ def test_an_error_is_raised_at_the_next_wait_point_naming_its_microbatch():
     assert len(calls) == 2  # no backward was handed over after the failure was seen
 
 
+def _rules_handed_over(window_rule: str | None, *rules: str | None) -> list[str]:
+    """The rule each ``backward_by`` call ran under, one call per entry of ``rules`` (its ``forward_collectives``,
+    None for none) in a window opened with ``window_rule`` (None: the default)."""
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+
+    def backward() -> None:
+        seen.append(handed_backward()[1])
+        (x * 2).sum().backward()
+
+    opened = torch_ext.overlap_microbatches() if window_rule is None else torch_ext.overlap_microbatches(window_rule)
+    with opened as overlap:
+        for rule in rules:
+            overlap.backward_by(backward, **({} if rule is None else {"forward_collectives": rule}))
+    assert torch.equal(x.grad, torch.full((2,), 2.0 * len(rules)))
+    return seen
+
+
+def test_backward_by_takes_the_windows_rule_unless_it_passes_its_own():
+    assert _rules_handed_over(None, None, "after_backward") == ["after_backward_collectives", "after_backward"]
+    in_turns = "in_turns_with_backward_collectives"
+    assert _rules_handed_over(in_turns, None, "after_backward_collectives") == [in_turns, "after_backward_collectives"]
+    assert _rules_handed_over("after_backward", None) == ["after_backward"]
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="forward_collectives must be one of"):
         torch_ext.overlap_microbatches(forward_collectives="never")
@@ -121,8 +147,8 @@ def test_bad_arguments_are_named():
             overlap.backward(torch.ones(2).sum())
         with pytest.raises(RuntimeError, match="already open"):
             torch_ext.overlap_microbatches()
-        with pytest.raises(ValueError, match="run_backward: forward_collectives must be one of"):
-            overlap.run_backward(lambda: None, forward_collectives="whenever")
+        with pytest.raises(ValueError, match="backward_by: forward_collectives must be one of"):
+            overlap.backward_by(lambda: None, forward_collectives="whenever")
         errors = []
         thread = threading.Thread(target=lambda: errors.append(_try(lambda: overlap.backward(torch.ones(1)))))
         thread.start()

@@ -11,7 +11,7 @@ A gradient-accumulation loop changes one line::
     optimizer.step()  # the block's end waited for the last backward
 
 A library whose backward is more than ``loss.backward()`` (a DeepSpeed engine's ``backward``, with its loss
-scaling and micro-step state) hands its whole backward over with :meth:`MicrobatchOverlap.run_backward`, the
+scaling and micro-step state) hands its whole backward over with :meth:`MicrobatchOverlap.backward_by`, the
 step's last microbatch staying on the caller's thread after :meth:`MicrobatchOverlap.wait`, so that the library's
 gradient reduction sees finished gradients::
 
@@ -19,7 +19,7 @@ gradient reduction sees finished gradients::
         for i, batch in enumerate(batches):
             loss = engine(batch)
             if i + 1 < len(batches):
-                overlap.run_backward(lambda loss=loss: (engine.backward(loss), engine.step()))
+                overlap.backward_by(lambda loss=loss: (engine.backward(loss), engine.step()))
             else:
                 overlap.wait()
                 engine.backward(loss)
@@ -59,23 +59,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Self
+from typing import Any, Literal, Self, get_args
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_ext import engine as _engine
+from torch_ext._api import deprecated
 from torch_ext._handed_backward import handing
 from torch_ext._loader import _C
 
-# The rules for the next forward's collectives, by their values in bindings/python_overlap.cpp's ForwardRule.
-_FORWARD_COLLECTIVES = {"after_backward_collectives": 0, "after_backward": 1, "in_turns_with_backward_collectives": 2}
+# The rules for the next forward's collectives (a ``forward_collectives`` argument), in the order of their values
+# in bindings/python_overlap.cpp's ForwardRule.
+ForwardCollectives = Literal["after_backward_collectives", "after_backward", "in_turns_with_backward_collectives"]
+_FORWARD_COLLECTIVES = {rule: value for value, rule in enumerate(get_args(ForwardCollectives))}
 # What the collective gate's error says when the forward's collective was not started because the backward
 # beside it had failed (bindings/python_overlap.cpp).
 _FORWARD_STOPPED_BY_BACKWARD = "running beside this forward, failed"
 
 
-def _checked_rule(forward_collectives: str, api: str) -> str:
+def _checked_rule(forward_collectives: str, api: str) -> ForwardCollectives:
     """``forward_collectives``, the rule for the next forward's collectives; a ValueError naming ``api`` for an
     unknown one."""
     if forward_collectives not in _FORWARD_COLLECTIVES:
@@ -89,7 +92,7 @@ class MicrobatchOverlap:
     """One overlap window; made by :func:`overlap_microbatches`, used as a context manager (or closed with
     :meth:`close`). One per process at a time, on the thread that opened it."""
 
-    def __init__(self, forward_collectives: str = "after_backward_collectives") -> None:
+    def __init__(self, forward_collectives: ForwardCollectives = "after_backward_collectives") -> None:
         self._forward_rule = _checked_rule(forward_collectives, "torch_ext.overlap_microbatches")
         self._forward_thread: threading.Thread | None = None
         self._backward_thread: threading.Thread | None = None
@@ -134,30 +137,51 @@ class MicrobatchOverlap:
 
         self._hand_over(run, self._forward_rule)
 
-    def run_backward(self, backward: Callable[[], object], *, forward_collectives: str = "after_backward") -> None:
-        """Hands ``backward``, any code that runs one backward (a library's ``engine.backward(loss)`` with its
+    def backward_by(
+        self, backward: Callable[[], object], *, forward_collectives: ForwardCollectives | None = None
+    ) -> None:
+        """Hands ``backward``, a callable that runs one backward (a library's ``engine.backward(loss)`` with its
         bookkeeping, a pipeline stage's ``backward_one_chunk``), to the backward thread, as :meth:`backward` does
         with one ``torch.autograd.backward`` call. Its first backward call runs on torch_ext's engine.
 
-        The engine plans only that call's collectives, and the rest of ``backward`` may issue others, so by
-        default (``forward_collectives="after_backward"``) the next forward's collectives wait for the whole of
-        it. ``"after_backward_collectives"`` lets them start once that call has started its planned collectives,
-        as :meth:`backward` does; then any other collective ``backward`` starts meanwhile is refused with a
-        RuntimeError on every rank (for code that issues none until the step's last microbatch: DeepSpeed's
-        ``engine.backward`` and ``engine.step`` off the accumulation boundary), and
-        ``"in_turns_with_backward_collectives"`` makes them take turns (:func:`overlap_microbatches`). What
-        ``backward`` returns is dropped; what it raises is raised at the next wait point.
+        ``forward_collectives``, when the next forward's collectives may start, defaults to the window's rule
+        (:func:`overlap_microbatches`'s), as for :meth:`backward`. The engine plans only that first call's
+        collectives, and the rest of ``backward`` may issue others: under ``"after_backward_collectives"`` (the
+        window's default) or ``"in_turns_with_backward_collectives"``, any other collective ``backward`` starts
+        before it returns is refused with a RuntimeError on every rank. That suits code that issues none until
+        the step's last microbatch (DeepSpeed's ``engine.backward`` and ``engine.step`` off the accumulation
+        boundary); for code that does, pass ``forward_collectives="after_backward"`` (or open the window with
+        it), and the next forward's collectives wait for the whole of ``backward``. What ``backward`` returns is
+        dropped; what it raises is raised at the next wait point.
         """
-        self._check_open("run_backward")
-        rule = _checked_rule(forward_collectives, "torch_ext: MicrobatchOverlap.run_backward")
+        self._check_open("backward_by")
+        rule = (
+            self._forward_rule
+            if forward_collectives is None
+            else _checked_rule(forward_collectives, "torch_ext: MicrobatchOverlap.backward_by")
+        )
 
         def run() -> None:
-            with _engine._routed(None, "MicrobatchOverlap.run_backward"):
+            with _engine._routed(None, "MicrobatchOverlap.backward_by"):
                 backward()
 
         self._hand_over(run, rule)
 
-    def _hand_over(self, run: Callable[[], None], rule: str) -> None:
+    def _run_backward(
+        self, backward: Callable[[], object], *, forward_collectives: ForwardCollectives = "after_backward"
+    ) -> None:
+        # The deprecated name keeps its own default, so that code still calling it runs as it did.
+        self.backward_by(backward, forward_collectives=forward_collectives)
+
+    run_backward = deprecated(
+        "torch_ext.MicrobatchOverlap.run_backward",
+        "torch_ext.MicrobatchOverlap.backward_by",
+        _run_backward,
+        hint=", whose forward_collectives defaults to the window's rule (run_backward's: 'after_backward')",
+    )
+    del _run_backward
+
+    def _hand_over(self, run: Callable[[], None], rule: ForwardCollectives) -> None:
         """Waits for the backward in flight, then starts ``run`` on the backward thread under this thread's
         thread-local state and numerics (its intra-op thread counts and floating-point controls, taken now, so a
         ``torch.set_num_threads`` between steps reaches the next backward), the next forward's collectives
@@ -481,7 +505,7 @@ def _functional_collective(func: Any) -> str | None:
     return name or None
 
 
-def overlap_microbatches(forward_collectives: str = "after_backward_collectives") -> MicrobatchOverlap:
+def overlap_microbatches(forward_collectives: ForwardCollectives = "after_backward_collectives") -> MicrobatchOverlap:
     """Opens a :class:`MicrobatchOverlap` on this thread: each :meth:`~MicrobatchOverlap.backward` runs on a
     backward thread while this thread goes on with the next microbatch's forward (see the module's text for what
     is guaranteed).
@@ -499,6 +523,9 @@ def overlap_microbatches(forward_collectives: str = "after_backward_collectives"
       backward's collectives to the plan's order (no lane node and no order check), the same as the default.
     - ``"after_backward"``: once the whole backward has finished, for code whose backward issues collectives the
       engine cannot see.
+
+    The rule holds for every :meth:`~MicrobatchOverlap.backward` and every :meth:`~MicrobatchOverlap.backward_by`
+    that passes none of its own.
     """
     overlap = MicrobatchOverlap(forward_collectives)
     overlap._open()

@@ -221,7 +221,7 @@ def overlap_f_b(action: _Action, ctx: _PipelineContext) -> None:
     backward = _prepare_backward(schedule, stages, backward_action)
 
     def backward_on_torch_ext() -> None:
-        # run_backward sends the stage's backward call to torch_ext's engine.
+        # backward_by sends the stage's backward call to torch_ext's engine.
         try:
             backward()
         except BaseException as error:
@@ -229,7 +229,7 @@ def overlap_f_b(action: _Action, ctx: _PipelineContext) -> None:
             raise
 
     with overlap_microbatches(forward_collectives="after_backward") as overlap:
-        overlap.run_backward(backward_on_torch_ext)
+        overlap.backward_by(backward_on_torch_ext)
         try:
             output = forward()
         except BaseException as error:

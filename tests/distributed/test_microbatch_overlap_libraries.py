@@ -14,7 +14,7 @@ loop twice: with the default rule for the forward's collectives, and with them i
   step's microbatches in an overlap, ``engine.backward(loss)`` inside ``overlap.deferring(i + 1 < n)``. That fails
   with DeepSpeed 0.19.8 (an xfail that names why: its ``engine.backward`` undoes its backward state when
   ``loss.backward()`` returns, before the handed-over backward has run); the same loop in an overlap with nothing
-  deferred gives stock's bits, and so does ``overlap.run_backward(lambda: (engine.backward(loss), engine.step()))``
+  deferred gives stock's bits, and so does ``overlap.backward_by(lambda: (engine.backward(loss), engine.step()))``
   for each step's first microbatches (the last after ``overlap.wait()`` on the caller's thread): DeepSpeed's whole
   backward and its micro-step bookkeeping on the backward thread.
 """
@@ -373,8 +373,8 @@ def _train_engine(
     """The DeepSpeed loop; overlapped, each step's microbatches run in an overlap, with each microbatch but the
     step's last handed over: ``engine.backward`` inside ``overlap.deferring(i + 1 < n)`` (``"deferring"``, then
     ``engine.step()`` on the caller's thread), or ``engine.backward`` and ``engine.step()`` together in
-    ``overlap.run_backward`` (``"run_backward"``), the last after ``overlap.wait()`` on the caller's thread; or
-    nothing handed over (None). ``rule``: run_backward's ``forward_collectives``."""
+    ``overlap.backward_by`` (``"backward_by"``), the last after ``overlap.wait()`` on the caller's thread; or
+    nothing handed over (None). ``rule``: backward_by's ``forward_collectives``."""
     import deepspeed
 
     torch.manual_seed(rank)
@@ -391,11 +391,11 @@ def _train_engine(
                 result["losses"].append(loss.detach())
                 _record_thread(loss, result["threads"])
                 last = i + 1 == len(batches)
-                if overlapped and hand_over == "run_backward":
+                if overlapped and hand_over == "backward_by":
                     if not last:
                         # DeepSpeed's backward and its micro-step bookkeeping (micro_steps, read by
                         # is_gradient_accumulation_boundary() in both) on the backward thread, in order.
-                        overlap.run_backward(
+                        overlap.backward_by(
                             lambda loss=loss: (engine.backward(loss), engine.step()), forward_collectives=rule
                         )
                         continue
@@ -435,13 +435,13 @@ def _run_deepspeed_engine(rank: int) -> dict:
     stock = _train_engine(rank, overlapped=False)
     results = {
         "deferred": {"stock": stock},
-        "run_backward": {"stock": stock},
-        "run_backward_planned": {"stock": stock},
+        "backward_by": {"stock": stock},
+        "backward_by_planned": {"stock": stock},
         "not_deferred": {"stock": stock, "overlap": _train_engine(rank, overlapped=True, hand_over=None)},
     }
     for case, hand_over, rule in (
-        ("run_backward", "run_backward", "after_backward"),
-        ("run_backward_planned", "run_backward", "after_backward_collectives"),
+        ("backward_by", "backward_by", "after_backward"),
+        ("backward_by_planned", "backward_by", "after_backward_collectives"),
         ("deferred", "deferring", "after_backward"),
     ):
         try:
@@ -496,8 +496,8 @@ def test_deepspeed_engine_in_an_overlap_without_deferring_bits_equal_stocks(deep
         "optimizer: _support_torch_style_backward is False); the forward thread sees it at microbatch 1's first "
         "collective (top2gating's all_reduce, not started), the overlap's end raises it. Past that check (tried by "
         "hand), microbatches 0-2's gradients are divided by gradient_accumulation_steps twice: different bits. "
-        "overlap.run_backward(lambda: (engine.backward(loss), engine.step())) hands the whole engine.backward over "
-        "instead, its state kept for the backward: test_deepspeed_engine_run_backward_bits_equal_stocks."
+        "overlap.backward_by(lambda: (engine.backward(loss), engine.step())) hands the whole engine.backward over "
+        "instead, its state kept for the backward: test_deepspeed_engine_backward_by_bits_equal_stocks."
     ),
 )
 def test_deepspeed_engine_deferred_bits_equal_stocks(deepspeed_engine):
@@ -505,19 +505,19 @@ def test_deepspeed_engine_deferred_bits_equal_stocks(deepspeed_engine):
 
 
 @NEEDS_DEEPSPEED
-def test_deepspeed_engine_run_backward_bits_equal_stocks(deepspeed_engine):
-    """engine.backward(loss) and engine.step() handed over together with overlap.run_backward for each step's
+def test_deepspeed_engine_backward_by_bits_equal_stocks(deepspeed_engine):
+    """engine.backward(loss) and engine.step() handed over together with overlap.backward_by for each step's
     first microbatches, the last after overlap.wait() on the caller's thread: stock's bits, three optimizer
     steps. The engine state both threads touch is only the throughput timer (tput_timer): the next forward's
     start() may come before the handed-over step()'s stop(), which then ends it, so the samples/sec figures are
     off; micro_steps and the boundary are read and written on one thread at a time."""
-    _check_engine_case(deepspeed_engine, "run_backward")
+    _check_engine_case(deepspeed_engine, "backward_by")
 
 
 @NEEDS_DEEPSPEED
-def test_deepspeed_engine_run_backward_waiting_only_for_planned_collectives_bits_equal_stocks(deepspeed_engine):
-    """As above, with run_backward's forward_collectives="after_backward_collectives": the next forward's
+def test_deepspeed_engine_backward_by_waiting_only_for_planned_collectives_bits_equal_stocks(deepspeed_engine):
+    """As above, with backward_by's forward_collectives="after_backward_collectives": the next forward's
     collectives (top2gating's capacity all_reduce, the dispatch all_to_all) start once the handed backward's
     planned ones have, beside the rest of engine.backward and engine.step. Off the accumulation boundary they
     issue no collective (one would be refused, on both ranks): stock's bits."""
-    _check_engine_case(deepspeed_engine, "run_backward_planned")
+    _check_engine_case(deepspeed_engine, "backward_by_planned")
