@@ -9,13 +9,17 @@ from __future__ import annotations
 import _thread
 import threading
 import time
+from typing import get_args
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import torch_ext
 from torch_ext._handed_backward import handed_backward
+from torch_ext._loader import _C
+from torch_ext.microbatches import ForwardCollectives
 
 
 def _model() -> nn.Module:
@@ -112,6 +116,37 @@ def test_an_error_is_raised_at_the_next_wait_point_naming_its_microbatch():
             overlap.backward(model(torch.randn(4, 8)).sum())
     assert any("backward of microbatch 1" in note for note in raised.value.__notes__)
     assert len(calls) == 2  # no backward was handed over after the failure was seen
+
+
+def test_a_forward_collective_stopped_by_the_failed_backward_raises_its_own_type():
+    """The forward's collective is refused with _C.ForwardStoppedByBackward (a RuntimeError), told apart by type,
+    not by its message: the block then raises the backward's error, from it."""
+    model = _model()
+
+    def failing(grad):
+        raise ValueError("boom")
+
+    model[0].weight.register_hook(failing)
+    # A group of this process alone, whose collectives go through the c10d operators (a bare backend's do not).
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        # after_backward: the forward's collective waits for the whole backward, so it always finds it failed.
+        with (
+            pytest.raises(ValueError, match="boom") as raised,
+            torch_ext.overlap_microbatches(forward_collectives="after_backward") as overlap,
+        ):
+            overlap.backward(model(torch.randn(4, 8)).sum())
+            dist.all_reduce(torch.ones(1))
+    finally:
+        dist.destroy_process_group()
+    stopped = raised.value.__cause__
+    assert isinstance(stopped, _C.ForwardStoppedByBackward) and isinstance(stopped, RuntimeError), repr(stopped)
+    assert "c10d::allreduce_ was not started: the backward of microbatch 0, running beside this forward" in str(stopped)
+
+
+def test_the_forward_rules_typed_in_python_are_the_engines():
+    # ForwardCollectives types the argument; the names and values are C++'s (csrc/overlap/window.h).
+    assert get_args(ForwardCollectives) == tuple(_C._overlap_forward_rules)
 
 
 def _rules_handed_over(window_rule: str | None, *rules: str | None) -> list[str]:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Self, get_args
+from typing import Any, Literal, Self
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -69,13 +69,11 @@ from torch_ext._api import deprecated
 from torch_ext._handed_backward import handing
 from torch_ext._loader import _C
 
-# The rules for the next forward's collectives (a ``forward_collectives`` argument), in the order of their values
-# in bindings/python_overlap.cpp's ForwardRule.
+# The rules for the next forward's collectives (a ``forward_collectives`` argument), for typing; their names and
+# values are csrc/overlap/window.h's ForwardRule, read from the engine (tests/test_microbatches.py checks that the
+# two name the same rules).
 ForwardCollectives = Literal["after_backward_collectives", "after_backward", "in_turns_with_backward_collectives"]
-_FORWARD_COLLECTIVES = {rule: value for value, rule in enumerate(get_args(ForwardCollectives))}
-# What the collective gate's error says when the forward's collective was not started because the backward
-# beside it had failed (bindings/python_overlap.cpp).
-_FORWARD_STOPPED_BY_BACKWARD = "running beside this forward, failed"
+_FORWARD_COLLECTIVES: dict[str, int] = _C._overlap_forward_rules
 
 
 def _checked_rule(forward_collectives: str, api: str) -> ForwardCollectives:
@@ -249,7 +247,7 @@ class MicrobatchOverlap:
         error, self._error = self._error, None
         if error is None:
             return
-        if isinstance(exc, RuntimeError) and _FORWARD_STOPPED_BY_BACKWARD in str(exc):
+        if isinstance(exc, _C.ForwardStoppedByBackward):
             # The forward stopped at a collective because the backward had failed: the backward's error is the
             # one to see.
             raise error from exc

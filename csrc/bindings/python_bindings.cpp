@@ -492,6 +492,7 @@ PyMODINIT_FUNC PyInit__C() {
   torch_ext::HostCallbacks python;
   torch_ext::fill_collective_callbacks(python);
   torch_ext::fill_split_callbacks(python);
+  torch_ext::fill_overlap_callbacks(python);
   python.copy_anomaly_metadata = torch_ext::copy_anomaly_metadata;
   torch_ext::install_host_callbacks(python);
   PyObject* module = PyModule_Create(&torch_ext::module_def);

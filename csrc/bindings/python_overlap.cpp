@@ -1,445 +1,78 @@
-// The C++ half of torch_ext.overlap_microbatches (torch_ext/microbatches.py):
-// the window in which one microbatch's backward runs on a backward thread
-// while the thread that handed it over (the forward thread) runs the next
-// microbatch's forward.
-//
-// The collective order rule, enforced here for every c10d collective through
-// a kernel at the Autograd key of the c10d operators (the collective gate)
-// and an observer of the forward thread's ops: on every process group, each
-// rank issues all the collectives backward i's plan starts, then forward
-// i+1's, then backward i+1's. The forward thread's collectives wait until
-// backward i has started every collective its plan holds (engine/
-// collective_progress.h; a lane node's counts as started once the gate has
-// seen it issued), or until it has finished, when the microbatch saved the
-// RNG state in forward (an activation checkpoint, whose recompute may issue
-// collectives no plan holds). Asked to (forward_collectives=
-// "in_turns_with_backward_collectives") and where the backward's
-// collectives wait for their turns (a call that runs them in sequence), the
-// two threads' collectives take turns instead, the backward's first (B0 F0
-// B1 F1 ...), until one thread has none left, then the other's rest: the
-// forward's k-th waits until backward i has started k, backward i's (k+1)-th
-// until the forward has issued k (the observer counts them) or waits for
-// backward i to end. Any other collective
-// started while backward i runs (a hook's, a nested backward's, a lane
-// node's second) is refused with an error on every rank alike, before it
-// starts; a functional collective, which reaches c10d past the gate, through
-// _overlap_refuse_unless_planned, called from Python.
-//
-// RNG: a checkpoint's recompute sets the global generator to forward's state
-// and back. The backward thread does so only while the forward thread is
-// parked in one of the window's waits (an RNG section), so the forward's
-// draws never see the recompute's state.
+// torch_ext._C's half of torch_ext.overlap_microbatches (torch_ext/
+// microbatches.py): its calls turned into the window's (overlap/window.h,
+// overlap/collective_gate.h, where the rule lives), Python's answers to the
+// questions the overlap asks through HostCallbacks, the forward rules' names
+// and the gate's error type for Python, and the caller's thread-local state
+// carried to the backward thread.
 
 #include "bindings/python_overlap.h"
 #include "engine/caller_thread_state.h"
-#include "engine/collective_progress.h"
+#include "overlap/collective_gate.h"
+#include "overlap/window.h"
 
-#include <ATen/record_function.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/object_ptr.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/utils/python_strings.h>
-#include <torch/library.h>
 
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <cstring>
-#include <deque>
-#include <functional>
-#include <mutex>
+#include <exception>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
-#include <vector>
+#include <utility>
 
 namespace torch_ext {
 namespace {
 
-// How often a parked forward thread looks for Ctrl-C.
-constexpr auto kSignalPollInterval = std::chrono::milliseconds(50);
+// torch_ext._C.ForwardStoppedByBackward, made when the module is.
+PyObject* forward_stopped_by_backward_type = nullptr;
 
-// When the forward thread's collectives may start, beside a backward
-// (overlap_microbatches' forward_collectives; torch_ext/microbatches.py
-// passes the value).
-enum class ForwardRule : int {
-  // Once the backward has started every collective its plan holds.
-  kAfterPlannedCollectives = 0,
-  // Once the whole backward has finished.
-  kAfterBackward = 1,
-  // In turns with the backward's planned collectives, where the backward's
-  // take turns (in sequence); otherwise as kAfterPlannedCollectives.
-  kInTurns = 2,
+// HostCallbacks::forward_stopped_by_backward's error. The gate raises it in a
+// dispatcher kernel, below whatever called the collective from Python:
+// torch's handlers there (HANDLE_TH_ERRORS around torch.ops, its pybind11
+// translator around ProcessGroup's methods) make any c10::Error, subclass or
+// not, a RuntimeError, and a torch::PyTorchError the Python type it names.
+// So the error is one, and needs no GIL until a handler sets it.
+struct ForwardStoppedByBackward final : torch::PyTorchError {
+  using torch::PyTorchError::PyTorchError;
+  PyObject* python_type() override {
+    return forward_stopped_by_backward_type != nullptr
+        ? forward_stopped_by_backward_type
+        : PyExc_RuntimeError;
+  }
 };
 
-// One backward handed to the backward thread.
-struct HandedBackward final : CollectiveProgress {
-  HandedBackward(int64_t microbatch, ForwardRule rule)
-      : microbatch(microbatch),
-        forward_waits_for_all(rule == ForwardRule::kAfterBackward),
-        forward_takes_turns(rule == ForwardRule::kInTurns) {}
-
-  void planned(size_t count, bool in_turns) override;
-  void may_start(size_t place) override;
-  void started_one() override;
-  void abandoned() override;
-
-  // Whether the forward thread's next collective may start (under the
-  // window's mutex): once every planned collective has started, or, in
-  // turns, once the backward's has started one more than the forward has
-  // issued.
-  bool releases_forward() const {
-    if (finished) {
-      return true;
-    }
-    if (forward_waits_for_all || !planned_count.has_value()) {
-      return false;
-    }
-    return started >= *planned_count ||
-        (in_turns && !forward_done && started > forward_issued);
-  }
-
-  // Whether the backward's collective at `place` may be issued (under the
-  // window's mutex): once the forward has issued as many, or has stopped
-  // issuing them (it is waiting for this backward to finish; from then on
-  // its collectives wait for all the backward's, releases_forward).
-  bool backward_may_start(size_t place) const {
-    return !in_turns || forward_waits_for_all || forward_done ||
-        forward_issued >= place;
-  }
-
-  const int64_t microbatch;
-  // The forward waits for the whole backward, not only its planned
-  // collectives.
-  const bool forward_waits_for_all;
-  // The forward asked to take turns with the backward's collectives.
-  const bool forward_takes_turns;
-  std::optional<size_t> planned_count;
-  // The two threads' collectives take turns: the forward asked to, and the
-  // backward's wait for their turns (may_start).
-  bool in_turns = false;
-  size_t started = 0;
-  // The collectives the forward thread has issued since the hand-over.
-  size_t forward_issued = 0;
-  // The forward thread waited for this backward to finish.
-  bool forward_done = false;
-  // The engine call failed (abandoned()).
-  bool failed = false;
-  bool finished = false;
-  // Why it failed; empty if it did not.
-  std::string error;
-};
-
-struct Window {
-  std::mutex mutex;
-  std::condition_variable changed;
-  // Read without the mutex by every collective's gate.
-  std::atomic<bool> open{false};
-  std::thread::id forward_thread;
-  std::shared_ptr<HandedBackward> current;
-  // The forward thread is blocked in one of the window's waits.
-  bool forward_parked = false;
-  // The backward-side thread inside an RNG section, if any.
-  std::optional<std::thread::id> rng_section;
-  // The forward thread's observer of every op it dispatches (see
-  // on_forward_op), removed when the window closes.
-  std::optional<at::CallbackHandle> forward_observer;
-};
-
-Window& window() {
-  // Never destroyed: a gate may run during interpreter shutdown.
-  static Window* instance = new Window();
-  return *instance;
+std::exception_ptr python_forward_stopped_by_backward(std::string message) {
+  return std::make_exception_ptr(ForwardStoppedByBackward(std::move(message)));
 }
 
-void HandedBackward::planned(size_t count, bool in_turns) {
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  planned_count = count;
-  this->in_turns = forward_takes_turns && in_turns;
-  w.changed.notify_all();
-}
-
-void HandedBackward::abandoned() {
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  failed = true;
-  w.changed.notify_all();
-}
-
-void HandedBackward::started_one() {
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  ++started;
-  w.changed.notify_all();
-}
-
-void raise_if_interrupted() {
-  pybind11::gil_scoped_acquire gil;
-  if (PyErr_CheckSignals() != 0) {
-    throw python_error();
-  }
-}
-
-// The c10d operators that are not collectives of a group (point-to-point
-// sends and receives pair by peer and tag, not by order; check_for_nan is
-// local).
-bool is_gated(std::string_view name) {
-  return name != "c10d::send" && name != "c10d::recv_" &&
-      name != "c10d::recv_any_source_" && name != "c10d::check_for_nan";
-}
-
-// Blocks the forward thread, parked, until `done()`, polling Ctrl-C; returns
-// with no RNG section running. The caller holds `lock` and not the GIL.
-void park_forward_until(
-    std::unique_lock<std::mutex>& lock,
-    const std::function<bool()>& done) {
-  Window& w = window();
-  w.forward_parked = true;
-  w.changed.notify_all();
+// HostCallbacks::raise_interrupt_later: Python's handler raised
+// (KeyboardInterrupt) in python_raise_if_interrupted; Python raises it
+// again once the op returns. Needs no GIL.
+void python_raise_interrupt_later(std::exception_ptr interrupt) {
   try {
-    while (!done() || w.rng_section.has_value()) {
-      if (w.changed.wait_for(lock, kSignalPollInterval) ==
-          std::cv_status::timeout) {
-        lock.unlock();
-        raise_if_interrupted();
-        lock.lock();
-      }
-    }
-  } catch (...) {
-    if (!lock.owns_lock()) {
-      lock.lock();
-    }
-    w.forward_parked = false;
-    throw;
-  }
-  w.forward_parked = false;
-}
-
-// Releases the GIL for a scope if this thread holds it: a gate runs under
-// whatever called the collective.
-class ReleaseGilIfHeld {
- public:
-  ReleaseGilIfHeld() {
-    if (Py_IsInitialized() && PyGILState_Check() != 0) {
-      release_.emplace();
-    }
-  }
-
- private:
-  std::optional<pybind11::gil_scoped_release> release_;
-};
-
-void HandedBackward::may_start(size_t place) {
-  Window& w = window();
-  ReleaseGilIfHeld no_gil;
-  std::unique_lock<std::mutex> lock(w.mutex);
-  w.changed.wait(lock, [&] { return failed || backward_may_start(place); });
-  TORCH_CHECK(
-      !failed,
-      "torch_ext: a collective of the backward of microbatch ",
-      microbatch,
-      " was not started: that backward failed first");
-}
-
-// The forward thread waits before its collective until the backward in
-// flight releases it. Returns that backward (null if none).
-std::shared_ptr<HandedBackward> forward_waits_its_turn(
-    std::unique_lock<std::mutex>& lock) {
-  Window& w = window();
-  std::shared_ptr<HandedBackward> backward = w.current;
-  if (backward != nullptr && !backward->releases_forward()) {
-    lock.unlock();
-    ReleaseGilIfHeld no_gil;
-    lock.lock();
-    park_forward_until(lock, [&] { return backward->releases_forward(); });
-  }
-  return backward;
-}
-
-// Whether `fn` is a gated c10d collective dispatched on the forward thread
-// of an open window.
-bool is_forward_collective(const at::RecordFunction& fn) {
-  const char* name = fn.name();
-  if (std::strncmp(name, "c10d::", 6) != 0 || !is_gated(name)) {
-    return false;
-  }
-  const Window& w = window();
-  return w.open.load(std::memory_order_acquire) &&
-      std::this_thread::get_id() == w.forward_thread;
-}
-
-// RecordFunction's start callback on the forward thread, for every op it
-// dispatches: a c10d collective reached with the Autograd key excluded (a
-// functional collective's kernel calls c10d under autograd's fallback) skips
-// the gate's kernel, so the forward thread waits here too. It cannot raise:
-// Ctrl-C re-arms the interrupt for Python to raise once the op returns.
-std::unique_ptr<at::ObserverContext> on_forward_op(
-    const at::RecordFunction& fn) {
-  if (!is_forward_collective(fn)) {
-    return nullptr;
-  }
-  Window& w = window();
-  try {
-    std::unique_lock<std::mutex> lock(w.mutex);
-    forward_waits_its_turn(lock);
+    std::rethrow_exception(std::move(interrupt));
   } catch (python_error&) {
-    // Python's handler raised (KeyboardInterrupt): the collective goes on,
-    // and Python raises it again once the op returns. Needs no GIL.
     PyErr_SetInterrupt();
   } catch (...) {
   }
-  return nullptr;
 }
 
-// Its end callback: the collective has been issued (a c10d op returns once
-// its work is queued on the group), which lets the backward's next one go
-// (HandedBackward::backward_may_start). Counted here, where the gate's
-// collectives and the functional ones both pass.
-void on_forward_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
-  if (!is_forward_collective(fn)) {
+// HostCallbacks::wait_releasing_gil.
+void python_wait_releasing_gil(c10::function_ref<void()> wait) {
+  if (Py_IsInitialized() && PyGILState_Check() != 0) {
+    pybind11::gil_scoped_release no_gil;
+    wait();
     return;
   }
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  if (w.current != nullptr && !w.current->finished) {
-    ++w.current->forward_issued;
-    w.changed.notify_all();
-  }
-}
-
-// On a backward-side thread (the backward thread, its lanes): refuses the
-// collective `name` unless the backward in flight planned it, before it is
-// issued. The caller holds the window's mutex.
-void refuse_unless_planned(
-    const std::string& name,
-    const HandedBackward& backward) {
-  const IssuingLaneNode* lane_node = issuing_lane_node();
-  TORCH_CHECK(
-      lane_node == nullptr || lane_node->issued == 0,
-      "torch_ext: ",
-      name,
-      " was not started: it is the second collective of a backward node "
-      "declared with run_in_lane, whose backward must run one collective, in "
-      "the backward of microbatch ",
-      backward.microbatch,
-      ", which runs beside the next microbatch's forward. The forward's "
-      "collectives are issued right behind a lane node's first one, so a "
-      "second could be ordered differently on each rank; it was refused on "
-      "every rank. Declare only Functions whose backward runs one collective, "
-      "or run that backward without the overlap.");
-  if (backward.finished || backward.forward_waits_for_all ||
-      starting_planned_collective()) {
-    return;
-  }
-  TORCH_CHECK(
-      false,
-      "torch_ext: ",
-      name,
-      " was started during the backward of microbatch ",
-      backward.microbatch,
-      ", which runs beside the next microbatch's forward, by something the "
-      "engine did not plan (a hook, or a backward nested in a node): it could "
-      "race the forward's collectives on another rank, so it was refused on "
-      "every rank. Run that backward without the overlap (DDP: only the last "
-      "microbatch syncs, so run the others under no_sync()), or make the "
-      "forward wait for the whole backward: "
-      "overlap_microbatches(forward_collectives='after_backward')");
-}
-
-void before_collective(const c10::OperatorHandle& op) {
-  Window& w = window();
-  std::unique_lock<std::mutex> lock(w.mutex);
-  if (w.current == nullptr) {
-    return;
-  }
-  if (std::this_thread::get_id() == w.forward_thread) {
-    const std::shared_ptr<HandedBackward> backward =
-        forward_waits_its_turn(lock);
-    TORCH_CHECK(
-        backward->error.empty(),
-        "torch_ext: ",
-        op.schema().name(),
-        " was not started: the backward of microbatch ",
-        backward->microbatch,
-        ", running beside this forward, failed (",
-        backward->error,
-        ")");
-    return;
-  }
-  refuse_unless_planned(op.schema().name(), *w.current);
-}
-
-void collective_gate(
-    const c10::OperatorHandle& op,
-    c10::DispatchKeySet keys,
-    torch::jit::Stack* stack) {
-  const bool open = window().open.load(std::memory_order_acquire);
-  if (open) {
-    before_collective(op);
-  }
-  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
-  IssuingLaneNode* lane_node = issuing_lane_node();
-  if (open && lane_node != nullptr && ++lane_node->issued == 1) {
-    // Issued (queued on its group, in flight): the forward's next collective
-    // is ordered behind it on every rank from here.
-    lane_node->progress->started_one();
-  }
-}
-
-void install_collective_gate() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    // Kept for the life of the process: the registrations last as long.
-    auto* library = new torch::Library(
-        torch::Library::IMPL,
-        "c10d",
-        c10::DispatchKey::Autograd,
-        __FILE__,
-        __LINE__);
-    for (const c10::OperatorName& name :
-         c10::Dispatcher::singleton().getAllOpNames()) {
-      if (name.name.rfind("c10d::", 0) != 0 || !is_gated(name.name)) {
-        continue;
-      }
-      // Kept alive by `names`: impl() takes the name as a C string.
-      static std::deque<std::string> names;
-      names.push_back(name.name.substr(6));
-      library->impl(
-          names.back().c_str(),
-          torch::CppFunction::makeFromBoxedFunction<&collective_gate>());
-    }
-  });
-}
-
-void check_forward_thread(const char* api) {
-  Window& w = window();
-  TORCH_CHECK(
-      w.open.load() && std::this_thread::get_id() == w.forward_thread,
-      "torch_ext: ",
-      api,
-      " must be called on the thread that opened the microbatch overlap");
+  wait();
 }
 
 // _overlap_open(): this thread is the forward thread of a new window.
 PyObject* py_overlap_open(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
-  install_collective_gate();
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  TORCH_CHECK(
-      !w.open.load(),
-      "torch_ext: a microbatch overlap is already open in this process; "
-      "close it (leave its with block, or call close()) before opening "
-      "another");
-  w.forward_thread = std::this_thread::get_id();
-  w.current = nullptr;
-  w.forward_parked = false;
-  w.rng_section.reset();
-  w.forward_observer = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(on_forward_op, on_forward_op_end)
-          .scopes({at::RecordScope::FUNCTION}));
-  w.open.store(true, std::memory_order_release);
+  open_window();
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -447,24 +80,15 @@ PyObject* py_overlap_open(PyObject*, PyObject*) {
 // _overlap_close(): the last backward has finished (the caller waited).
 PyObject* py_overlap_close(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  TORCH_INTERNAL_ASSERT(w.current == nullptr || w.current->finished);
-  if (w.forward_observer.has_value()) {
-    // Thread-local: removed on the forward thread, which closes the window.
-    at::removeCallback(*w.forward_observer);
-    w.forward_observer.reset();
-  }
-  w.open.store(false, std::memory_order_release);
-  w.current = nullptr;
-  w.changed.notify_all();
+  close_window();
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
 // _overlap_hand_over(microbatch, rule): the backward of `microbatch` is
 // about to start on the backward thread, the forward's collectives starting
-// by `rule` (a ForwardRule's value); the previous one has finished.
+// by `rule` (a value of _overlap_forward_rules); the previous one has
+// finished.
 PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   long long microbatch = 0;
@@ -473,16 +97,10 @@ PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
     return nullptr;
   }
   TORCH_CHECK(
-      rule >= 0 && rule <= static_cast<int>(ForwardRule::kInTurns),
+      rule >= 0 && rule < static_cast<int>(kForwardRuleNames.size()),
       "torch_ext: _overlap_hand_over: no forward rule ",
       rule);
-  check_forward_thread("hand_over");
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  TORCH_INTERNAL_ASSERT(w.current == nullptr || w.current->finished);
-  w.current = std::make_shared<HandedBackward>(
-      microbatch,
-      static_cast<ForwardRule>(rule));
+  hand_over(microbatch, static_cast<ForwardRule>(rule));
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -491,32 +109,16 @@ PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
 // handed backward's engine call.
 PyObject* py_overlap_report_next_call(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  TORCH_INTERNAL_ASSERT(w.current != nullptr);
-  report_next_call_to(w.current);
+  report_next_call_to_window();
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
-// _overlap_refuse_unless_planned(name): a functional collective `name` is
-// about to be issued on this thread (torch_ext/microbatches.py wraps the
-// call of torch.ops operators while the window is open: the op's kernel
-// reaches c10d with the Autograd key excluded, past the gate). Refuses it as
-// the gate refuses an unplanned c10d collective; nothing on the forward
-// thread (the observer makes it wait) or outside a backward in flight.
+// _overlap_refuse_unless_planned(name): refuse_functional_collective_
+// unless_planned.
 PyObject* py_overlap_refuse_unless_planned(PyObject*, PyObject* name) {
   HANDLE_TH_ERRORS
-  Window& w = window();
-  if (!w.open.load(std::memory_order_acquire) ||
-      std::this_thread::get_id() == w.forward_thread) {
-    Py_RETURN_NONE;
-  }
-  const std::string op_name = THPUtils_unpackString(name);
-  std::lock_guard<std::mutex> lock(w.mutex);
-  if (w.current != nullptr) {
-    refuse_unless_planned(op_name, *w.current);
-  }
+  refuse_functional_collective_unless_planned(THPUtils_unpackString(name));
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -525,22 +127,11 @@ PyObject* py_overlap_refuse_unless_planned(PyObject*, PyObject* name) {
 // backward returned or raised.
 PyObject* py_overlap_finish(PyObject*, PyObject* error) {
   HANDLE_TH_ERRORS
-  // A call that never started (it raised before the engine) took no target.
-  take_report_target();
-  std::string message;
+  std::optional<std::string> message;
   if (error != Py_None) {
     message = THPUtils_unpackString(error);
   }
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  if (w.current != nullptr) {
-    w.current->finished = true;
-    w.current->error = message.empty() && error != Py_None ? "error" : message;
-  }
-  if (w.rng_section == std::this_thread::get_id()) {
-    w.rng_section.reset();
-  }
-  w.changed.notify_all();
+  finish_handed_backward(message);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -549,61 +140,22 @@ PyObject* py_overlap_finish(PyObject*, PyObject* error) {
 // has finished (Ctrl-C ends the wait).
 PyObject* py_overlap_wait(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
-  check_forward_thread("wait");
-  Window& w = window();
-  pybind11::gil_scoped_release no_gil;
-  std::unique_lock<std::mutex> lock(w.mutex);
-  const std::shared_ptr<HandedBackward> backward = w.current;
-  if (backward != nullptr && !backward->finished) {
-    // No collective of the forward's comes before this backward ends: the
-    // backward's wait for none (HandedBackward::backward_may_start).
-    backward->forward_done = true;
-    w.changed.notify_all();
-  }
-  park_forward_until(lock, [&] {
-    return backward == nullptr || backward->finished;
-  });
+  wait_for_handed_backward();
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
-// _overlap_enter_rng_section() -> bool: on a backward-side thread about to
-// set the global RNG state; waits until the forward thread is parked. False
-// (nothing to do) outside a window and on the forward thread.
+// _overlap_enter_rng_section() -> bool: enter_rng_section.
 PyObject* py_overlap_enter_rng_section(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
-  Window& w = window();
-  if (!w.open.load() || std::this_thread::get_id() == w.forward_thread) {
-    Py_RETURN_FALSE;
-  }
-  bool entered = false;
-  {
-    pybind11::gil_scoped_release no_gil;
-    std::unique_lock<std::mutex> lock(w.mutex);
-    if (w.rng_section != std::this_thread::get_id()) {
-      w.changed.wait(lock, [&] {
-        return !w.open.load() ||
-            (w.forward_parked && !w.rng_section.has_value());
-      });
-      if (w.open.load()) {
-        w.rng_section = std::this_thread::get_id();
-        entered = true;
-      }
-    }
-  }
-  return PyBool_FromLong(entered ? 1 : 0);
+  return PyBool_FromLong(enter_rng_section() ? 1 : 0);
   END_HANDLE_TH_ERRORS
 }
 
 // _overlap_leave_rng_section(): the section's thread restored the state.
 PyObject* py_overlap_leave_rng_section(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  if (w.rng_section == std::this_thread::get_id()) {
-    w.rng_section.reset();
-    w.changed.notify_all();
-  }
+  leave_rng_section();
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -678,8 +230,48 @@ PyMethodDef overlap_methods[] = {
 
 } // namespace
 
+void fill_overlap_callbacks(HostCallbacks& callbacks) {
+  callbacks.raise_interrupt_later = python_raise_interrupt_later;
+  callbacks.wait_releasing_gil = python_wait_releasing_gil;
+  callbacks.forward_stopped_by_backward = python_forward_stopped_by_backward;
+}
+
 bool init_overlap_bindings(PyObject* module) {
-  return PyModule_AddFunctions(module, overlap_methods) == 0;
+  if (PyModule_AddFunctions(module, overlap_methods) != 0) {
+    return false;
+  }
+  // {name: value} of each ForwardRule, which torch_ext/microbatches.py reads
+  // rather than restating them.
+  THPObjectPtr rules(PyDict_New());
+  if (!rules) {
+    return false;
+  }
+  for (size_t value = 0; value < kForwardRuleNames.size(); ++value) {
+    const std::string_view name = kForwardRuleNames[value];
+    THPObjectPtr key(PyUnicode_FromStringAndSize(
+        name.data(),
+        static_cast<Py_ssize_t>(name.size())));
+    THPObjectPtr number(PyLong_FromSize_t(value));
+    if (!key || !number ||
+        PyDict_SetItem(rules.get(), key.get(), number.get()) != 0) {
+      return false;
+    }
+  }
+  // A RuntimeError, so that code catching the gate's errors as before still
+  // does; torch_ext/microbatches.py tells it from the others by type.
+  forward_stopped_by_backward_type = PyErr_NewExceptionWithDoc(
+      "torch_ext._C.ForwardStoppedByBackward",
+      "A collective of the forward thread of torch_ext.overlap_microbatches "
+      "was not started: the backward beside it had failed.",
+      PyExc_RuntimeError,
+      nullptr);
+  return forward_stopped_by_backward_type != nullptr &&
+      PyModule_AddObjectRef(module, "_overlap_forward_rules", rules.get()) ==
+      0 &&
+      PyModule_AddObjectRef(
+          module,
+          "ForwardStoppedByBackward",
+          forward_stopped_by_backward_type) == 0;
 }
 
 } // namespace torch_ext

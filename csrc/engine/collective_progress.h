@@ -1,9 +1,9 @@
 #pragma once
 
 // What a backward run beside the next microbatch's forward tells the thread
-// that handed it over (torch_ext.overlap_microbatches, bindings/
-// python_overlap.cpp), and where it waits for that thread: how many
-// collectives its plan starts, when each may start and when each has. On
+// that handed it over (torch_ext.overlap_microbatches, overlap/window.h),
+// and where it waits for that thread: how many collectives its plan starts,
+// when each may start and when each has. On
 // every group each rank then issues the two threads' collectives in one
 // order, whatever the timing: by default the backward's all, then the
 // forward's; or, where the forward asked for it and the call holds its
@@ -14,7 +14,8 @@
 // Two thread-locals carry it, so the engine's entry points need no new
 // argument: the target the next call made on this thread reports to, and
 // whether this thread is starting a collective such a call planned (the
-// bindings' collective gate lets that one through and refuses the others).
+// overlap's collective gate, overlap/collective_gate.h, lets that one through
+// and refuses the others).
 
 #include <cstddef>
 #include <memory>

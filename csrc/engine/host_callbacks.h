@@ -1,22 +1,27 @@
 #pragma once
 
 // What the engine asks of the language that hosts it: the one interface
-// through which engine/ reaches Python. The engine declares it here and
-// includes no Python header; the bindings install Python's answers when
-// torch_ext._C is imported (PyInit__C, bindings/python_bindings.cpp), before
-// any backward runs. Until then, each question has the answer of a process
-// without Python: no node is a collective, nothing is narrowed, no check.
+// through which engine/, and overlap/ above it, reach Python. The engine
+// declares it here and includes no Python header; the bindings install
+// Python's answers when torch_ext._C is imported (PyInit__C,
+// bindings/python_bindings.cpp), before any backward runs. Until then, each
+// question has the answer of a process without Python: no node is a
+// collective, nothing is narrowed, no check.
 //
 // Every entry is a plain function pointer, called where the engine needs
 // the answer; those that need the GIL take it themselves.
 
 #include "collectives/collective_role.h"
 
+#include <c10/util/Exception.h>
+#include <c10/util/FunctionRef.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace torch_ext {
@@ -84,9 +89,33 @@ struct HostCallbacks {
       const std::vector<CheckedCollective>& sequence) =
       [](const std::vector<CheckedCollective>&)
       -> std::shared_ptr<CollectiveOrderCheck> { return nullptr; };
-  // Throws if a signal handler raised (Ctrl-C), for the engine thread while
-  // it waits for a lane.
+  // Throws if a signal handler raised (Ctrl-C): for the engine thread while
+  // it waits for a lane, and for the microbatch overlap's forward thread
+  // while it is parked (overlap/window.cpp).
   void (*raise_if_interrupted)() = [] {};
+  // After raise_if_interrupted threw `interrupt` where no error may leave
+  // (a RecordFunction callback of the overlap's forward thread): makes the
+  // host raise it again once it runs its own code.
+  void (*raise_interrupt_later)(std::exception_ptr interrupt) =
+      [](std::exception_ptr) {};
+  // Runs `wait`, which blocks until another thread acts, with the GIL
+  // released if this thread holds it: the other thread may need it to act.
+  // The microbatch overlap's waits run under whatever called them (a
+  // collective, the engine).
+  void (*wait_releasing_gil)(c10::function_ref<void()> wait) =
+      [](c10::function_ref<void()> wait) { wait(); };
+  // The error that stops the overlap's forward thread before a collective
+  // because the backward beside it failed (overlap/collective_gate.cpp). The
+  // host makes it, so that its code can tell it from other errors by type:
+  // the gate raises it inside a dispatcher kernel, and torch turns any
+  // c10::Error reaching Python from there into a RuntimeError.
+  std::exception_ptr (*forward_stopped_by_backward)(std::string message) =
+      [](std::string message) {
+        return std::make_exception_ptr(
+            c10::Error(
+                {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                std::move(message)));
+      };
   // Makes an error raised by the collective node `fn` name it and where it
   // ran (its lane, or the engine thread): a collective's error is often the
   // network's, which names no node of its own.

@@ -1,0 +1,203 @@
+#include "overlap/collective_gate.h"
+#include "engine/collective_progress.h"
+#include "engine/host_callbacks.h"
+#include "overlap/window.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <string_view>
+#include <thread>
+
+namespace torch_ext {
+namespace {
+
+// The c10d operators that are not collectives of a group (point-to-point
+// sends and receives pair by peer and tag, not by order; check_for_nan is
+// local).
+bool is_gated(std::string_view name) {
+  return name != "c10d::send" && name != "c10d::recv_" &&
+      name != "c10d::recv_any_source_" && name != "c10d::check_for_nan";
+}
+
+// Whether `fn` is a gated c10d collective dispatched on the forward thread
+// of an open window.
+bool is_forward_collective(const at::RecordFunction& fn) {
+  const char* name = fn.name();
+  if (std::strncmp(name, "c10d::", 6) != 0 || !is_gated(name)) {
+    return false;
+  }
+  const Window& w = window();
+  return w.open.load(std::memory_order_acquire) &&
+      std::this_thread::get_id() == w.forward_thread;
+}
+
+// RecordFunction's start callback on the forward thread, for every op it
+// dispatches (observe_forward_thread_ops). It cannot raise: Ctrl-C is left
+// for the host to raise once the op returns.
+std::unique_ptr<at::ObserverContext> on_forward_op(
+    const at::RecordFunction& fn) {
+  if (!is_forward_collective(fn)) {
+    return nullptr;
+  }
+  Window& w = window();
+  try {
+    std::unique_lock<std::mutex> lock(w.mutex);
+    forward_waits_its_turn(lock);
+  } catch (...) {
+    // The host's interrupt handler raised (KeyboardInterrupt): the
+    // collective goes on.
+    host_callbacks().raise_interrupt_later(std::current_exception());
+  }
+  return nullptr;
+}
+
+// Its end callback: the collective has been issued (a c10d op returns once
+// its work is queued on the group), which lets the backward's next one go
+// (HandedBackward::backward_may_start). Counted here, where the gate's
+// collectives and the functional ones both pass.
+void on_forward_op_end(const at::RecordFunction& fn, at::ObserverContext*) {
+  if (!is_forward_collective(fn)) {
+    return;
+  }
+  Window& w = window();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  if (w.current != nullptr && !w.current->finished) {
+    ++w.current->forward_issued;
+    w.changed.notify_all();
+  }
+}
+
+// On a backward-side thread (the backward thread, its lanes): refuses the
+// collective `name` unless the backward in flight planned it, before it is
+// issued. The caller holds the window's mutex.
+void refuse_unless_planned(
+    const std::string& name,
+    const HandedBackward& backward) {
+  const IssuingLaneNode* lane_node = issuing_lane_node();
+  TORCH_CHECK(
+      lane_node == nullptr || lane_node->issued == 0,
+      "torch_ext: ",
+      name,
+      " was not started: it is the second collective of a backward node "
+      "declared with run_in_lane, whose backward must run one collective, in "
+      "the backward of microbatch ",
+      backward.microbatch,
+      ", which runs beside the next microbatch's forward. The forward's "
+      "collectives are issued right behind a lane node's first one, so a "
+      "second could be ordered differently on each rank; it was refused on "
+      "every rank. Declare only Functions whose backward runs one collective, "
+      "or run that backward without the overlap.");
+  if (backward.finished || backward.forward_waits_for_all ||
+      starting_planned_collective()) {
+    return;
+  }
+  TORCH_CHECK(
+      false,
+      "torch_ext: ",
+      name,
+      " was started during the backward of microbatch ",
+      backward.microbatch,
+      ", which runs beside the next microbatch's forward, by something the "
+      "engine did not plan (a hook, or a backward nested in a node): it could "
+      "race the forward's collectives on another rank, so it was refused on "
+      "every rank. Run that backward without the overlap (DDP: only the last "
+      "microbatch syncs, so run the others under no_sync()), or make the "
+      "forward wait for the whole backward: "
+      "overlap_microbatches(forward_collectives='after_backward')");
+}
+
+void before_collective(const c10::OperatorHandle& op) {
+  Window& w = window();
+  std::unique_lock<std::mutex> lock(w.mutex);
+  if (w.current == nullptr) {
+    return;
+  }
+  if (std::this_thread::get_id() == w.forward_thread) {
+    const std::shared_ptr<HandedBackward> backward =
+        forward_waits_its_turn(lock);
+    if (!backward->error.empty()) {
+      std::rethrow_exception(
+          host_callbacks().forward_stopped_by_backward(
+              c10::str(
+                  "torch_ext: ",
+                  op.schema().name(),
+                  " was not started: the backward of microbatch ",
+                  backward->microbatch,
+                  ", running beside this forward, failed (",
+                  backward->error,
+                  ")")));
+    }
+    return;
+  }
+  refuse_unless_planned(op.schema().name(), *w.current);
+}
+
+void collective_gate(
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet keys,
+    torch::jit::Stack* stack) {
+  const bool open = window().open.load(std::memory_order_acquire);
+  if (open) {
+    before_collective(op);
+  }
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  IssuingLaneNode* lane_node = issuing_lane_node();
+  if (open && lane_node != nullptr && ++lane_node->issued == 1) {
+    // Issued (queued on its group, in flight): the forward's next collective
+    // is ordered behind it on every rank from here.
+    lane_node->progress->started_one();
+  }
+}
+
+} // namespace
+
+void install_collective_gate() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // Kept for the life of the process: the registrations last as long.
+    auto* library = new torch::Library(
+        torch::Library::IMPL,
+        "c10d",
+        c10::DispatchKey::Autograd,
+        __FILE__,
+        __LINE__);
+    for (const c10::OperatorName& name :
+         c10::Dispatcher::singleton().getAllOpNames()) {
+      if (name.name.rfind("c10d::", 0) != 0 || !is_gated(name.name)) {
+        continue;
+      }
+      // Kept alive by `names`: impl() takes the name as a C string.
+      static std::deque<std::string> names;
+      names.push_back(name.name.substr(6));
+      library->impl(
+          names.back().c_str(),
+          torch::CppFunction::makeFromBoxedFunction<&collective_gate>());
+    }
+  });
+}
+
+at::CallbackHandle observe_forward_thread_ops() {
+  return at::addThreadLocalCallback(
+      at::RecordFunctionCallback(on_forward_op, on_forward_op_end)
+          .scopes({at::RecordScope::FUNCTION}));
+}
+
+void refuse_functional_collective_unless_planned(const std::string& name) {
+  Window& w = window();
+  if (!w.open.load(std::memory_order_acquire) ||
+      std::this_thread::get_id() == w.forward_thread) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(w.mutex);
+  if (w.current != nullptr) {
+    refuse_unless_planned(name, *w.current);
+  }
+}
+
+} // namespace torch_ext

@@ -1,0 +1,171 @@
+#pragma once
+
+// The window of torch_ext.overlap_microbatches (torch_ext/microbatches.py):
+// one microbatch's backward runs on a backward thread while the thread that
+// handed it over (the forward thread) runs the next microbatch's forward.
+// Here: the hand-over, what the backward in flight tells the forward thread
+// (HandedBackward: when the forward's collectives may start, by its
+// ForwardRule), where the forward thread parks, and the RNG sections. The
+// collective gate (collective_gate.h) holds every collective to that order.
+//
+// RNG: a checkpoint's recompute sets the global generator to forward's state
+// and back. The backward thread does so only while the forward thread is
+// parked in one of the window's waits (an RNG section), so the forward's
+// draws never see the recompute's state.
+//
+// No Python here: Ctrl-C and the GIL are reached through HostCallbacks
+// (engine/host_callbacks.h); bindings/python_overlap.cpp turns Python's
+// calls into these functions.
+
+#include "engine/collective_progress.h"
+
+#include <ATen/record_function.h>
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+
+namespace torch_ext {
+
+// When the forward thread's collectives may start, beside a backward
+// (overlap_microbatches' forward_collectives).
+enum class ForwardRule : int {
+  // Once the backward has started every collective its plan holds.
+  kAfterPlannedCollectives = 0,
+  // Once the whole backward has finished.
+  kAfterBackward = 1,
+  // In turns with the backward's planned collectives, where the backward's
+  // take turns (in sequence); otherwise as kAfterPlannedCollectives.
+  kInTurns = 2,
+};
+
+// Each ForwardRule's name in overlap_microbatches' forward_collectives,
+// indexed by its value: the one list of them, which torch_ext/microbatches.py
+// reads (torch_ext._C._overlap_forward_rules).
+inline constexpr std::array<std::string_view, 3> kForwardRuleNames = {
+    "after_backward_collectives",
+    "after_backward",
+    "in_turns_with_backward_collectives"};
+static_assert(
+    kForwardRuleNames.size() == static_cast<size_t>(ForwardRule::kInTurns) + 1);
+
+// One backward handed to the backward thread.
+struct HandedBackward final : CollectiveProgress {
+  HandedBackward(int64_t microbatch, ForwardRule rule)
+      : microbatch(microbatch),
+        forward_waits_for_all(rule == ForwardRule::kAfterBackward),
+        forward_takes_turns(rule == ForwardRule::kInTurns) {}
+
+  void planned(size_t count, bool in_turns) override;
+  void may_start(size_t place) override;
+  void started_one() override;
+  void abandoned() override;
+
+  // Whether the forward thread's next collective may start (under the
+  // window's mutex): once every planned collective has started, or, in
+  // turns, once the backward's has started one more than the forward has
+  // issued.
+  bool releases_forward() const {
+    if (finished) {
+      return true;
+    }
+    if (forward_waits_for_all || !planned_count.has_value()) {
+      return false;
+    }
+    return started >= *planned_count ||
+        (in_turns && !forward_done && started > forward_issued);
+  }
+
+  // Whether the backward's collective at `place` may be issued (under the
+  // window's mutex): once the forward has issued as many, or has stopped
+  // issuing them (it is waiting for this backward to finish; from then on
+  // its collectives wait for all the backward's, releases_forward).
+  bool backward_may_start(size_t place) const {
+    return !in_turns || forward_waits_for_all || forward_done ||
+        forward_issued >= place;
+  }
+
+  const int64_t microbatch;
+  // The forward waits for the whole backward, not only its planned
+  // collectives.
+  const bool forward_waits_for_all;
+  // The forward asked to take turns with the backward's collectives.
+  const bool forward_takes_turns;
+  std::optional<size_t> planned_count;
+  // The two threads' collectives take turns: the forward asked to, and the
+  // backward's wait for their turns (may_start).
+  bool in_turns = false;
+  size_t started = 0;
+  // The collectives the forward thread has issued since the hand-over.
+  size_t forward_issued = 0;
+  // The forward thread waited for this backward to finish.
+  bool forward_done = false;
+  // The engine call failed (abandoned()).
+  bool failed = false;
+  bool finished = false;
+  // Why it failed; empty if it did not.
+  std::string error;
+};
+
+struct Window {
+  std::mutex mutex;
+  std::condition_variable changed;
+  // Read without the mutex by every collective's gate.
+  std::atomic<bool> open{false};
+  std::thread::id forward_thread;
+  std::shared_ptr<HandedBackward> current;
+  // The forward thread is blocked in one of the window's waits.
+  bool forward_parked = false;
+  // The backward-side thread inside an RNG section, if any.
+  std::optional<std::thread::id> rng_section;
+  // The forward thread's observer of every op it dispatches
+  // (collective_gate.h), removed when the window closes.
+  std::optional<at::CallbackHandle> forward_observer;
+};
+
+// The one window of the process.
+Window& window();
+
+// The forward thread waits before its collective until the backward in
+// flight releases it. `lock` holds the window's mutex, and holds it again
+// on return; it is released while the thread is parked. Returns that
+// backward (null if none).
+std::shared_ptr<HandedBackward> forward_waits_its_turn(
+    std::unique_lock<std::mutex>& lock);
+
+// What torch_ext/microbatches.py calls, through bindings/python_overlap.cpp.
+
+// This thread becomes the forward thread of a new window, the collective
+// gate on.
+void open_window();
+// The last backward has finished (the caller waited).
+void close_window();
+// The backward of `microbatch` is about to start on the backward thread,
+// the forward's collectives starting by `rule`; the previous one has
+// finished.
+void hand_over(int64_t microbatch, ForwardRule rule);
+// On the backward thread, just before the handed backward's engine call:
+// that call reports its collectives to the window.
+void report_next_call_to_window();
+// On the backward thread, when the handed backward returned (`error`
+// nullopt) or raised (`error` says what).
+void finish_handed_backward(const std::optional<std::string>& error);
+// On the forward thread, parked until the handed backward has finished
+// (Ctrl-C ends the wait).
+void wait_for_handed_backward();
+// On a backward-side thread about to set the global RNG state: waits until
+// the forward thread is parked. False (nothing to do) outside a window and
+// on the forward thread.
+bool enter_rng_section();
+// The section's thread restored the state.
+void leave_rng_section();
+
+} // namespace torch_ext
