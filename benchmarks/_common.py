@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import gc
+import math
 import os
 import statistics
 import subprocess
@@ -214,9 +215,15 @@ def bar_chart(ax, labels: Sequence[str], series: dict[str, Sequence[float]], yla
 
 # --- the sweep of the dense backward against the communication (overlap, recsys_torchrec, moe_sync) -------------
 
-# The dense backward as multiples of T_comm. Quick: three points, enough to see the curve bend.
-RATIOS = (0.25, 0.5, 1.0, 1.5, 2.0)
-QUICK_RATIOS = (0.5, 1.0, 2.0)
+# The dense backward as multiples of T_comm. The summary's headline reads one point, HEADLINE_RATIO: a dense
+# backward as long as the communication, where a perfect overlap hides all of it with nothing to spare. A full run
+# sweeps the curve around it, a quick run that point alone, so the two headlines measure the same thing and differ
+# only by their repetitions. The sweep's mean, the headline before, could not agree: a full run's five points and
+# a quick run's three had different means. Three points took the whole quick run ~6 minutes here; one, 166-172 s
+# (docs/benchmarks.md, "How stability was checked").
+HEADLINE_RATIO = 1.0
+RATIOS = (0.25, 0.5, HEADLINE_RATIO, 1.5, 2.0)
+QUICK_RATIOS = (HEADLINE_RATIO,)
 # T_comm: how long stock's backward waits for the collective with nothing to hide it behind (calibrate_t_comm),
 # the median of this many steps after a few untimed ones (a process's first all_to_alls are slower: in moe_sync
 # the first library's read 1.5-1.8x the later ones'). ~2 s.
@@ -296,7 +303,10 @@ def sweep_config(args, name: str, quick_reps: int, reps: int) -> SweepConfig:
     return SweepConfig(
         ratios=args.ratios or (QUICK_RATIOS if args.quick else RATIOS),
         reps=args.reps or (quick_reps if args.quick else reps),
-        warmup=1 if args.quick else 2,
+        # Two untimed repetitions in a quick run too: with one, three quick runs' first (and only) point read the
+        # microbatch overlap's exposure 0.42-0.46 of stock's against a full run's 0.40 there, and moe_sync's lane
+        # 0.94-0.99 against 0.999, each quick run on the same side of the full one (a fresh process's first steps).
+        warmup=2,
         calibration_reps=25 if args.quick else 31,
         quick=args.quick,
         timeline_png=timeline_png,
@@ -499,11 +509,16 @@ def scenario_and_link(size: str) -> tuple[str, str]:
     return scenario.rpartition(", ")[0], link
 
 
-def median_over_stock(rows: dict, variant: str, points: Sequence[tuple[float, str]], metric: str) -> float:
-    """The median over a sweep's points of ``variant``'s ``metric`` / stock's."""
-    return statistics.median(
-        rows[(variant, case, metric)]["median"] / rows[("stock", case, metric)]["median"] for _, case in points
-    )
+def headline_point(points: Sequence[tuple[float, str]]) -> tuple[float, str]:
+    """The sweep point (ratio, case) a summary's headline reads: HEADLINE_RATIO's, or where a sweep left it out
+    (``--ratios``), the point nearest it."""
+    return min(points, key=lambda point: abs(math.log(point[0] / HEADLINE_RATIO)))
+
+
+def headline_over_stock(rows: dict, variant: str, points: Sequence[tuple[float, str]], metric: str) -> float:
+    """``variant``'s ``metric`` / stock's at the sweep's headline point (``headline_point``)."""
+    _, case = headline_point(points)
+    return rows[(variant, case, metric)]["median"] / rows[("stock", case, metric)]["median"]
 
 
 def load_note(rows: dict, case: str) -> str:
@@ -525,22 +540,24 @@ def sweep_summary_row(
     stock_note: str = "",
 ) -> SummaryRow:
     """A variant's line of the summary table from a sweep's CSV ``rows`` at ``points`` (``sweep_cases``): the headline
-    is the sweep's mean overlap efficiency beside the ideal's mean, min(1, the ratio each point measured:
-    ``point_ratio``), and the mean efficiency by step time where the CSV has it; the ratio column is
-    ``over_stock["ratio"]``. The notes: ``lead``, the efficiency at each point, the mean exposed ms (``exposed``),
-    and on stock's line ``stock_note``. The values: the mean efficiency and the ideal's, the mean exposed ms,
-    ``over_stock``, and the curve for the plot (``"efficiency x<ratio>"``)."""
+    is the overlap efficiency at the headline point (``headline_point``) beside its ideal, min(1, the ratio the
+    point measured: ``point_ratio``), and the efficiency by step time there where the CSV has it; the ratio column
+    is ``over_stock["ratio"]`` (the callers' ``headline_over_stock``). The notes: ``lead``, the efficiency at each
+    point, the exposed ms at the headline point (``exposed``), and on stock's line ``stock_note``. The values: the
+    headline's efficiency and ideal, its exposed ms, ``over_stock``, and the curve for the plot
+    (``"efficiency x<ratio>"``)."""
     efficiencies = [rows[(variant, point, "efficiency")]["median"] for _, point in points]
     measured = [point_ratio(rows, ratio, point) for ratio, point in points]
     has_measured = all(_measured_ratio_key(point) in rows for _, point in points)
-    ideal = statistics.mean(min(1.0, ratio) for ratio in measured)
-    mean_efficiency = statistics.mean(efficiencies)
-    values = {"efficiency": mean_efficiency, "ideal_efficiency": ideal}
-    by_step = [rows.get((variant, point, "step_efficiency")) for _, point in points]
-    if all(by_step):
-        values["step_efficiency"] = statistics.mean(row["median"] for row in by_step)
+    headline_ratio, headline = headline_point(points)
+    efficiency = rows[(variant, headline, "efficiency")]["median"]
+    ideal = min(1.0, point_ratio(rows, headline_ratio, headline))
+    values = {"efficiency": efficiency, "ideal_efficiency": ideal}
+    by_step = rows.get((variant, headline, "step_efficiency"))
+    if by_step is not None:
+        values["step_efficiency"] = by_step["median"]
     if exposed:
-        values["exposed_ms"] = statistics.mean(rows[(variant, point, "exposed_ms")]["median"] for _, point in points)
+        values["exposed_ms"] = rows[(variant, headline, "exposed_ms")]["median"]
     values.update(over_stock)
     values.update({f"efficiency x{ratio:g}": eff for (ratio, _), eff in zip(points, efficiencies, strict=True)})
     if has_measured:
@@ -549,11 +566,9 @@ def sweep_summary_row(
         f"x{ratio:g}{f' (measured x{real:.2g})' if has_measured else ''}: {eff:.2f}"
         for (ratio, _), real, eff in zip(points, measured, efficiencies, strict=True)
     )
-    notes = f"{lead}efficiency by dense/comm ratio {per_point}"
-    if "step_efficiency" in values:
-        notes += f"; by step time {values['step_efficiency']:.2f} on average"
+    notes = f"headline at x{headline_ratio:g}; {lead}efficiency by dense/comm ratio {per_point}"
     if exposed:
-        notes += f"; exposed {values['exposed_ms']:.1f} ms on average"
+        notes += f"; exposed {values['exposed_ms']:.1f} ms at x{headline_ratio:g}"
     if variant == "stock":
         notes += stock_note
     return SummaryRow(
@@ -561,7 +576,7 @@ def sweep_summary_row(
         case,
         variant,
         "stock",
-        f"efficiency {mean_efficiency:.2f} (ideal {ideal:.2f})"
+        f"efficiency {efficiency:.2f} (ideal {ideal:.2f})"
         + (f", by step time {values['step_efficiency']:.2f}" if "step_efficiency" in values else ""),
         f"{values['ratio']:.2f}",
         notes,

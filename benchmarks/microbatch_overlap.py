@@ -80,6 +80,7 @@ from _common import (
     csv_row,
     dense_layer_backward_s,
     git_sha,
+    headline_point,
     load_note,
     measured_ratio,
     measured_ratio_row,
@@ -95,6 +96,7 @@ from _common import (
     sweep_parser,
     timed_blocking,
     timed_repetitions,
+    timed_variants,
     write_csv,
 )
 from _hosts import agreed_max
@@ -106,10 +108,7 @@ import torch_ext
 NAME = "microbatch_overlap"
 WORLD_SIZE = 2
 # Microbatches a step: 8, as gradient accumulation commonly uses; the unhideable floor is 3 / (4 x this) of stock's
-# exposure (above). Quick runs on an idle machine read the overlap's exposure 0.57-0.67 of stock's (step 0.84-0.87)
-# with 4, and 0.38-0.66 (step 0.76-0.89, 4 runs) with 8; with a lane's collective releasing the forward once
-# issued, 0.47-0.55 (step 0.78-0.85, 9 runs). The quick mode takes 130-160 s instead of 51; with the turns variant,
-# 165-220 s.
+# exposure (above). Quick runs' figures, with 4 and with 8, are in docs/benchmarks.md.
 N_MICROBATCHES = 8
 # Tokens each rank sends each expert per microbatch, and their width: 512 x 256 floats = 0.5 MiB to the other
 # rank per all_to_all, four all_to_alls a microbatch.
@@ -122,9 +121,12 @@ ENGINE_VARIANTS = ("stock", "lane", "overlap", "turns")
 # The variants that overlap microbatches, and their rule for the forward's collectives.
 OVERLAPPED_VARIANTS = {"overlap": "after_backward_collectives", "turns": "in_turns_with_backward_collectives"}
 TIMED_VARIANTS = ("compute", *ENGINE_VARIANTS)
+# Left out of a quick run's timing (its bits are still checked): the turns rule, not the default. It was a fifth of
+# a quick run's steps, and the default rule's figures are the quick run's claim.
+QUICK_LEFT_OUT = ("turns",)
 # The variants whose forward and backward run one after the other, so that each phase has its own time.
 PHASED_VARIANTS = ("compute", "stock", "lane")
-# The aims the summary measures against (the issue's): at the sweep's mean, the overlap's exposed communication
+# The aims the summary measures against (the issue's): at the headline point, the overlap's exposed communication
 # at most this fraction of stock's, and its step at most this fraction of stock's.
 AIM_EXPOSED_FRACTION = 0.30
 AIM_STEP_RATIO = 0.80
@@ -346,7 +348,9 @@ def _run_library(library: str, config: SweepConfig, t_layer: float) -> dict:
         def measure(variant: str, _rep: int, model=model, optimizer=optimizer) -> dict[str, float]:
             return _step(model, optimizer, batches, variant, function)
 
-        samples = timed_repetitions(TIMED_VARIANTS, measure, config.reps, config.warmup)
+        samples = timed_repetitions(
+            timed_variants(config, TIMED_VARIANTS, QUICK_LEFT_OUT), measure, config.reps, config.warmup
+        )
         points.append({"ratio": ratio, "dense_layers": dense_layers, "samples": samples, "memory": memory})
     return {"comm_s": comm_s, "t_layer": t_layer, "points": points}
 
@@ -407,7 +411,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
             stock_saved = memory["stock"]["saved_peak_bytes"]
             one_microbatch = memory["stock"]["one_microbatch_bytes"]
             rows.append(csv_row("stock", case, size, "one_microbatch_mib", _single(one_microbatch / 2**20), sha))
-            for variant in TIMED_VARIANTS:
+            for variant in (v for v in TIMED_VARIANTS if v in samples):
                 step = _ms(samples[variant]["step_s"])
                 rows.append(csv_row(variant, case, size, "step_ms", step, sha))
                 cells = [f"{step.median:8.1f}", f"{step.median / 1e3 / stock_step:6.2f}"]
@@ -462,13 +466,14 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
 
 
 def print_summary(rows: Sequence[SummaryRow]) -> None:
-    """The sweep's means against stock, per case, and the overlap against the aims."""
+    """The headline point's figures against stock, per case, and the overlap against the aims."""
     for case in dict.fromkeys(row.case for row in rows):
         of_case = {row.variant: row.values for row in rows if row.case == case}
         points = [
             key.removeprefix("exposed_fraction ") for key in of_case["stock"] if key.startswith("exposed_fraction x")
         ]
-        print(f"\nsummary, {case}: means over the sweep's points ({', '.join(points)})")
+        headline = of_case["stock"]["headline_ratio"]
+        print(f"\nsummary, {case}: at the headline point x{headline:g} (the sweep's points: {', '.join(points)})")
         print(
             f"{'variant':<8} {'exposed / stock':>15} {'step / stock':>12} {'saved peak / stock':>18} "
             f"{'cpu added / stock exposed':>25}"
@@ -516,8 +521,9 @@ def main(argv: list[str] | None = None) -> int:
             "(pip install torch==2.13.0 megatron-core==0.16.1 deepspeed==0.19.8)"
         )
         return 0
-    # 10 quick repetitions, not 6. On an Intel Xeon three quick runs of 6 read the overlap's exposure 0.41-0.58 of
-    # stock's (turns 0.36-0.50), three of 10 read 0.45-0.55 (turns 0.39-0.42); 6 took 120-150 s a run, 10 ~170 s.
+    # 10 quick repetitions, not 6. On an Intel Xeon three quick runs of 6 (three points) read the overlap's
+    # exposure 0.41-0.58 of stock's, three of 10 read 0.45-0.55. At the one point a quick run now sweeps, three
+    # runs of 10 read 0.47-0.49, in ~50 s each.
     config = sweep_config(args, NAME, quick_reps=10, reps=15)
     announce = (
         f"{NAME}: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {library}, {N_MICROBATCHES} microbatches, "
@@ -538,21 +544,24 @@ def _per_point(rows: dict, variant: str, points, metric: str, over: str | None =
 
 
 def summary_rows(rows: dict) -> list[SummaryRow]:
-    """One row per library and engine variant: the headline is the sweep's mean exposed communication as a fraction
-    of stock's (per point, then averaged); the ratio column the mean step time over stock's. The notes: per point,
-    the lane's and the overlap's exposed fraction; the peak activations over stock's; the aims."""
+    """One row per library and engine variant: the headline is the exposed communication at the headline point
+    (``_common.headline_point``) as a fraction of stock's there; the ratio column the step time over stock's there.
+    The notes: per point, the exposed fraction and the step over stock's; the peak activations over stock's; the
+    aims."""
     summary = []
     for library in dict.fromkeys(case.rpartition(" x")[0] for case in csv_cases(rows, "exposed_ms")):
         points = [(r, case) for r, case in sweep_cases(rows, "stock", "exposed_ms") if case.startswith(library + " x")]
         link = rows[("stock", points[0][1], "step_ms")]["size"].rpartition(", ")[2]
         t_comm = rows.get(("comm", library, "t_comm_ms"))
+        headline_ratio, headline = headline_point(points)
+        at_headline = points.index((headline_ratio, headline))
         lane_fractions = _per_point(rows, "lane", points, "exposed_ms")
         overlap_fractions = _per_point(rows, "overlap", points, "exposed_ms")
         # What "one more microbatch's activations" allows: stock's peak and one microbatch's, over stock's peak.
-        one_more = statistics.mean(
+        one_more = (
             1
-            + rows[("stock", case, "one_microbatch_mib")]["median"] / rows[("stock", case, "saved_peak_mib")]["median"]
-            for _, case in points
+            + rows[("stock", headline, "one_microbatch_mib")]["median"]
+            / rows[("stock", headline, "saved_peak_mib")]["median"]
         )
         for variant in ENGINE_VARIANTS:
             if (variant, points[0][1], "exposed_ms") not in rows:
@@ -563,17 +572,16 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
             exposed_ms = _per_point(rows, variant, points, "exposed_ms", over=None)
             # CPU time above the communication-free step's, over stock's exposed communication (CSVs from before
             # it was measured lack it).
-            cpu_added = [
-                rows[(variant, case, "cpu_added_ms")]["median"] / rows[("stock", case, "exposed_ms")]["median"]
-                for _, case in points
-                if (variant, case, "cpu_added_ms") in rows
-            ]
+            cpu_added = rows.get((variant, headline, "cpu_added_ms"))
             values = {
-                "cpu_added_fraction": statistics.mean(cpu_added) if cpu_added else float("nan"),
-                "exposed_fraction": statistics.mean(fractions),
-                "ratio": statistics.mean(steps),
-                "exposed_ms": statistics.mean(exposed_ms),
-                "saved_peak_ratio": statistics.mean(memory),
+                "cpu_added_fraction": float("nan")
+                if cpu_added is None
+                else cpu_added["median"] / rows[("stock", headline, "exposed_ms")]["median"],
+                "exposed_fraction": fractions[at_headline],
+                "ratio": steps[at_headline],
+                "exposed_ms": exposed_ms[at_headline],
+                "saved_peak_ratio": memory[at_headline],
+                "headline_ratio": headline_ratio,
             }
             values.update({f"exposed_fraction x{ratio:g}": f for (ratio, _), f in zip(points, fractions, strict=True)})
             values.update({f"step_ratio x{ratio:g}": s for (ratio, _), s in zip(points, steps, strict=True)})
@@ -581,8 +589,9 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
                 f"x{ratio:g}: {f:.2f}/{s:.2f}" for (ratio, _), f, s in zip(points, fractions, steps, strict=True)
             )
             notes = (
-                f"exposed/stock's and step/stock by dense/comm ratio {per_point}; exposed {values['exposed_ms']:.1f} ms "
-                f"on average, of which CPU time above the compute step's {values['cpu_added_fraction']:.2f} of "
+                f"headline at x{headline_ratio:g}; exposed/stock's and step/stock by dense/comm ratio {per_point}; "
+                f"exposed {values['exposed_ms']:.1f} ms, of which CPU time above the compute step's "
+                f"{values['cpu_added_fraction']:.2f} of "
                 f"stock's exposed; saved activations' peak / stock's "
                 f"{values['saved_peak_ratio']:.2f}"
             )

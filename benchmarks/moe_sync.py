@@ -53,10 +53,10 @@ from _common import (
     dense_layer_backward_s,
     exposure,
     git_sha,
+    headline_over_stock,
     load_note,
     measured_ratio,
     measured_ratio_row,
-    median_over_stock,
     merge_ranks,
     parse_sweep_args,
     plot_efficiency_curves,
@@ -321,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_rows(rows: dict) -> list[SummaryRow]:
-    """One row per library and engine variant. The headline is the sweep's mean overlap efficiency, beside the
-    ideal's mean; backward and step time against stock are medians over the sweep."""
+    """One row per library and engine variant. The headline is the overlap efficiency at the headline point
+    (``_common.headline_point``), beside its ideal, and backward and step time against stock there."""
     libraries = dict.fromkeys(case.rpartition(" x")[0] for _, case in sweep_cases(rows, "stock", "efficiency"))
     summary = []
     for library in libraries:
@@ -331,7 +331,7 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
         t_comm = rows.get(("comm", library, "t_comm_ms"))
         stock_note = "" if t_comm is None else f"; T_comm {t_comm['median']:.3g} ms" + load_note(rows, "moe_sync")
         for variant in (v for v in ENGINE_VARIANTS if (v, points[0][1], "efficiency") in rows):
-            step = median_over_stock(rows, variant, points, "step_ms")
+            step = headline_over_stock(rows, variant, points, "step_ms")
             summary.append(
                 sweep_summary_row(
                     "moe_sync",
@@ -339,7 +339,7 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
                     variant,
                     rows,
                     points,
-                    {"step_ratio": step, "ratio": median_over_stock(rows, variant, points, "backward_ms")},
+                    {"step_ratio": step, "ratio": headline_over_stock(rows, variant, points, "backward_ms")},
                     lead=f"step / stock {step:.2f}; ",
                     exposed=False,
                     stock_note=stock_note,

@@ -33,7 +33,7 @@ not timed), the slowest rank's time counting for the step:
                      wait with no dense layer: _common.calibrate_t_comm)
 
 The all_to_all sends ``--payload-mib`` MiB to the other rank. The dense MLP's backward is swept over
-multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script measures T_comm and
+multiples of T_comm (``--ratios``; full 0.25,0.5,1,1.5,2, quick 1 alone: the headline's point): the script measures T_comm and
 one dense layer's backward (both ranks agree on the larger) and builds the depth that makes the dense
 backward ``ratio`` x T_comm. At each point, per repetition, each rank's backward thread's blocked time is
 measured (waiting for the all_to_all's bytes: ``_common.timed_blocking``); exposed communication = the
@@ -92,10 +92,10 @@ from _common import (
     dense_layer_backward_s,
     exposure,
     git_sha,
+    headline_over_stock,
     load_note,
     measured_ratio,
     measured_ratio_row,
-    median_over_stock,
     merge_ranks,
     parse_sweep_args,
     plot_efficiency_curves,
@@ -572,8 +572,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_rows(rows: dict) -> list[SummaryRow]:
-    """One row per variant with a collective. The headline is the sweep's mean overlap efficiency, beside the
-    ideal's mean; backward time against stock is the median over the sweep."""
+    """One row per variant with a collective. The headline is the overlap efficiency at the headline point
+    (``_common.headline_point``), beside its ideal, and backward time against stock there."""
     points = sweep_cases(rows, "stock", "efficiency")
     # "<dim>d x <rows> rows, <n> dense layers, <link>": the link (whether anything can overlap) names the case.
     scenario, link = scenario_and_link(rows[("stock", points[0][1], "backward_ms")]["size"])
@@ -586,7 +586,7 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
             variant,
             rows,
             points,
-            {"ratio": median_over_stock(rows, variant, points, "backward_ms")},
+            {"ratio": headline_over_stock(rows, variant, points, "backward_ms")},
             stock_note=stock_note,
         )
         for variant in COLLECTIVE_VARIANTS

@@ -33,7 +33,7 @@ gradients would share the link with the all_to_all and set the dense arch's back
 
 Sizes: each rank looks up BATCH samples; the pooled gradient each rank sends the other is
 BATCH * (TABLES / 2) * DIM floats (2 MiB with the defaults, 36-38 ms on the shaped link). The dense arch's
-backward is swept over multiples of T_comm (``--ratios``; quick 0.5,1,2, full 0.25,0.5,1,1.5,2): the script
+backward is swept over multiples of T_comm (``--ratios``; full 0.25,0.5,1,1.5,2, quick 1 alone: the headline's point): the script
 measures T_comm and one Linear(HIDDEN, HIDDEN) layer's backward (both ranks agree on the larger) and gives
 the dense arch the depth that makes its backward ``ratio`` x T_comm. Each point also reports the ratio it
 measured: its compute over T_comm, the compute being stock's backward less its exposed time, repetition by
@@ -72,10 +72,10 @@ from _common import (
     dense_layer_backward_s,
     exposure,
     git_sha,
+    headline_over_stock,
     load_note,
     measured_ratio,
     measured_ratio_row,
-    median_over_stock,
     merge_ranks,
     parse_sweep_args,
     plot_efficiency_curves,
@@ -339,15 +339,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_rows(rows: dict) -> list[SummaryRow]:
-    """One row per engine. The headline is the sweep's mean overlap efficiency, beside the ideal's mean; step and
-    backward time against stock are medians over the sweep."""
+    """One row per engine. The headline is the overlap efficiency at the headline point
+    (``_common.headline_point``), beside its ideal, and step and backward time against stock there."""
     points = sweep_cases(rows, "stock", "efficiency")
     # "DLRM ..., <n> dense layers, <link>": the link (whether anything can overlap) names the case.
     scenario, link = scenario_and_link(rows[("stock", points[0][1], "step_ms")]["size"])
     t_comm = rows[("comm", "recsys", "t_comm_ms")]["median"]
     summary = []
     for variant in ENGINE_VARIANTS:
-        step, backward = (median_over_stock(rows, variant, points, metric) for metric in ("step_ms", "backward_ms"))
+        step, backward = (headline_over_stock(rows, variant, points, metric) for metric in ("step_ms", "backward_ms"))
         summary.append(
             sweep_summary_row(
                 "recsys_torchrec",

@@ -143,12 +143,12 @@ def test_engine_overhead_fixed_cost_is_per_call_with_the_first_call_ratio(tmp_pa
 
 
 def overlap_sweep_rows(link: str) -> list[tuple]:
-    """benchmarks/overlap.py's CSV of a two-point sweep (x0.5: 20 dense layers, x2: 80), T_comm 40 ms."""
+    """benchmarks/overlap.py's CSV of a three-point sweep (x0.5: 20 dense layers, x1: 40, x2: 80), T_comm 40 ms."""
     rows = [
         ("comm", "overlap", f"256d x 4096 rows, {link}", "t_comm_ms", 40, 36, 42),
         ("machine", "overlap", link, "runnable_tasks", 3, 2, 4),
     ]
-    for ratio, layers, compute, ext_efficiency in ((0.5, 20, 50, 0.4), (2, 80, 110, 0.9)):
+    for ratio, layers, compute, ext_efficiency in ((0.5, 20, 50, 0.4), (1, 40, 80, 0.7), (2, 80, 110, 0.9)):
         size = f"256d x 4096 rows, {layers} dense layers, {link}"
         case = f"overlap x{ratio:g}"
         for variant, efficiency in (("stock", 0.1), ("torch_ext", ext_efficiency)):
@@ -228,14 +228,14 @@ def test_overlap_summary_is_the_sweep_and_its_plot_the_curve(tmp_path):
     assert list(summary) == ["stock", "torch_ext"]
     ours = summary["torch_ext"]
     assert ours.case == link
-    # The headline is the sweep's mean, beside the ideal's mean (min(1, ratio): 0.5 and 1).
-    assert ours.values["efficiency"] == pytest.approx(0.65) and ours.values["ideal_efficiency"] == 0.75
-    assert ours.measured == "efficiency 0.65 (ideal 0.75)"
+    # The headline is the x1 point's efficiency, beside its ideal (min(1, 1)); the curve is in the notes.
+    assert ours.values["efficiency"] == pytest.approx(0.7) and ours.values["ideal_efficiency"] == 1.0
+    assert ours.measured == "efficiency 0.70 (ideal 1.00)"
     assert ours.values["efficiency x0.5"] == 0.4 and ours.values["efficiency x2"] == 0.9
-    assert ours.values["exposed_ms"] == pytest.approx((24 + 4) / 2)
-    # Backward / stock: the median over the sweep of (50 + 24) / (50 + 36) and (110 + 4) / (110 + 36).
-    assert ours.values["ratio"] == pytest.approx((74 / 86 + 114 / 146) / 2)
-    assert "x0.5: 0.40, x2: 0.90" in ours.notes
+    assert ours.values["exposed_ms"] == pytest.approx(12)
+    # Backward / stock at x1: (80 + 12) / (80 + 36).
+    assert ours.values["ratio"] == pytest.approx(92 / 116)
+    assert "headline at x1; efficiency by dense/comm ratio x0.5: 0.40, x1: 0.70, x2: 0.90" in ours.notes
     # With what else ran on the machine meanwhile: overlap figures move under other processes' load.
     assert "T_comm 40 ms, 256d x 4096 rows; runnable tasks 3 (the ranks: 2)" in summary["stock"].notes
 
@@ -244,8 +244,9 @@ def test_overlap_summary_is_the_sweep_and_its_plot_the_curve(tmp_path):
     figure = Figure()
     bench.benchmark_module("overlap").plot(rows, figure)
     lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
-    assert list(lines["torch_ext"].get_xdata()) == [0.5, 2] and list(lines["torch_ext"].get_ydata()) == [0.4, 0.9]
-    assert list(lines["stock"].get_ydata()) == [0.1, 0.1]
+    assert list(lines["torch_ext"].get_xdata()) == [0.5, 1, 2]
+    assert list(lines["torch_ext"].get_ydata()) == [0.4, 0.7, 0.9]
+    assert list(lines["stock"].get_ydata()) == [0.1, 0.1, 0.1]
     # The ideal, dashed, with its corner at ratio 1.
     assert list(lines["ideal"].get_xdata()) == [0.5, 1, 2] and list(lines["ideal"].get_ydata()) == [0.5, 1, 1]
     assert lines["ideal"].get_linestyle() == "--"
@@ -258,7 +259,7 @@ def test_the_ideal_is_the_ratio_each_point_measured_and_step_time_stands_beside_
     # 0.92 there does not beat it.
     link = "2 hosts over a veth shaped to 1gbit"
     rows = overlap_sweep_rows(link)
-    for ratio, compute, by_step in ((0.5, 50, 0.7), (2, 110, 0.8)):
+    for ratio, compute, by_step in ((0.5, 50, 0.7), (1, 80, 0.75), (2, 110, 0.8)):
         case = f"overlap x{ratio:g}"
         size = next(row[2] for row in rows if row[1] == case)
         rows.append(("compute", case, size, "measured_ratio", compute / 40, compute / 40, compute / 40))
@@ -269,8 +270,8 @@ def test_the_ideal_is_the_ratio_each_point_measured_and_step_time_stands_beside_
     ours = summary["torch_ext"]
     assert ours.values["ideal_efficiency"] == 1.0
     assert ours.values["step_efficiency"] == pytest.approx(0.75)
-    assert ours.measured == "efficiency 0.65 (ideal 1.00), by step time 0.75"
-    assert "x0.5 (measured x1.2): 0.40, x2 (measured x2.8): 0.90" in ours.notes
+    assert ours.measured == "efficiency 0.70 (ideal 1.00), by step time 0.75"
+    assert "x0.5 (measured x1.2): 0.40, x1 (measured x2): 0.70, x2 (measured x2.8): 0.90" in ours.notes
 
     from matplotlib.figure import Figure
 
@@ -278,7 +279,7 @@ def test_the_ideal_is_the_ratio_each_point_measured_and_step_time_stands_beside_
     bench.benchmark_module("overlap").plot(list(summary.values()), figure)
     lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
     ideal = lines["ideal (measured ratio)"]
-    assert list(ideal.get_xdata()) == [0.5, 2] and list(ideal.get_ydata()) == [1.0, 1.0]
+    assert list(ideal.get_xdata()) == [0.5, 1, 2] and list(ideal.get_ydata()) == [1.0, 1.0, 1.0]
 
 
 def test_sweeps_time_fewer_variants_in_a_quick_run():
@@ -718,14 +719,14 @@ def test_recsys_torchrec_summary_from_a_csv(tmp_path):
     assert list(by_variant) == ["stock", "torch_ext"]
     ours = by_variant["torch_ext"]
     assert ours.case == link
-    # The headline: the sweep's mean efficiency (0.5 and 0.9) beside the ideal's (0.5 and 1).
-    assert ours.values["efficiency"] == pytest.approx(0.7) and ours.values["ideal_efficiency"] == 0.75
-    assert ours.measured == "efficiency 0.70 (ideal 0.75)"
+    # The headline: the x1 point's efficiency beside its ideal, min(1, 1).
+    assert ours.values["efficiency"] == pytest.approx(0.9) and ours.values["ideal_efficiency"] == 1.0
+    assert ours.measured == "efficiency 0.90 (ideal 1.00)"
     assert ours.values["efficiency x0.5"] == pytest.approx(0.5) and ours.values["efficiency x1"] == pytest.approx(0.9)
-    assert ours.values["exposed_ms"] == pytest.approx(10.8)
-    # Step and backward / stock: medians over the sweep.
-    assert ours.values["ratio"] == pytest.approx((120 / 150 + 170 / 200) / 2) and ours.ratio == "0.82"
-    assert ours.values["backward_ratio"] == pytest.approx((70 / 100 + 120 / 150) / 2)
+    assert ours.values["exposed_ms"] == pytest.approx(3.6)
+    # Step and backward / stock at x1.
+    assert ours.values["ratio"] == pytest.approx(170 / 200) and ours.ratio == "0.85"
+    assert ours.values["backward_ratio"] == pytest.approx(120 / 150)
     assert "x0.5: 0.50, x1: 0.90" in ours.notes
     assert by_variant["stock"].values["efficiency"] == pytest.approx(0.0)
     assert f"T_comm 36 ms, {scenario}" in by_variant["stock"].notes
@@ -778,7 +779,7 @@ def test_recsys_torchrec_quick_run_matches_stock_and_reports(tmp_path):
 def test_moe_sync_summary_from_a_csv(tmp_path):
     link = "2 hosts over a veth shaped to 1gbit"
     rows = [("comm", "megatron", f"2048 tokens x 256d per expert, {link}", "t_comm_ms", 36, 35, 38)]
-    for ratio, layers, lane_efficiency in ((0.5, 4, 0.3), (2, 14, 0.7)):
+    for ratio, layers, lane_efficiency in ((0.5, 4, 0.3), (1, 7, 0.6), (2, 14, 0.7)):
         size = f"2048 tokens x 256d per expert, {layers} dense layers, {link}"
         case = f"megatron x{ratio:g}"
         for variant, backward, step, efficiency in (
@@ -796,10 +797,10 @@ def test_moe_sync_summary_from_a_csv(tmp_path):
     assert list(summary) == ["stock", "priority", "lane"]
     lane = summary["lane"]
     assert lane.case == f"Megatron-core, {link}"
-    assert lane.values["efficiency"] == pytest.approx(0.5) and lane.values["ideal_efficiency"] == 0.75
+    assert lane.values["efficiency"] == pytest.approx(0.6) and lane.values["ideal_efficiency"] == 1.0
     assert lane.values["step_ratio"] == pytest.approx(140 / 160) and lane.ratio == "0.80"
     assert lane.values["efficiency x0.5"] == pytest.approx(0.3) and lane.values["efficiency x2"] == pytest.approx(0.7)
-    assert "x0.5: 0.30, x2: 0.70" in lane.notes
+    assert "x0.5: 0.30, x1: 0.60, x2: 0.70" in lane.notes
     assert "T_comm 36 ms" in summary["stock"].notes
 
 

@@ -452,7 +452,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="short runs of every benchmark (CI; about 6 min on 2 CPU cores, an Intel Xeon)",
+        help="short runs of every benchmark (CI; 166-172 s on 2 CPU cores of an idle Intel Xeon)",
     )
     parser.add_argument(
         "--only",
