@@ -7,14 +7,19 @@ tests/distributed/test_microbatch_overlap.py.
 from __future__ import annotations
 
 import _thread
+import importlib
 import threading
 import time
+from pathlib import Path
 from typing import get_args
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.utils.checkpoint
 from torch import nn
+from torch.autograd.variable import Variable
 
 import torch_ext
 from torch_ext._handed_backward import handed_backward
@@ -34,6 +39,15 @@ def _batches() -> list[torch.Tensor]:
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def group_of_this_process():
+    """A process group of this process alone, whose collectives go through the c10d operators (a bare backend's
+    do not)."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield dist.group.WORLD
+    dist.destroy_process_group()
 
 
 def test_a_plain_loop_gives_stocks_bits():
@@ -118,7 +132,7 @@ def test_an_error_is_raised_at_the_next_wait_point_naming_its_microbatch():
     assert len(calls) == 2  # no backward was handed over after the failure was seen
 
 
-def test_a_forward_collective_stopped_by_the_failed_backward_raises_its_own_type():
+def test_a_forward_collective_stopped_by_the_failed_backward_raises_its_own_type(group_of_this_process):
     """The forward's collective is refused with _C.ForwardStoppedByBackward (a RuntimeError), told apart by type,
     not by its message: the block then raises the backward's error, from it."""
     model = _model()
@@ -127,21 +141,146 @@ def test_a_forward_collective_stopped_by_the_failed_backward_raises_its_own_type
         raise ValueError("boom")
 
     model[0].weight.register_hook(failing)
-    # A group of this process alone, whose collectives go through the c10d operators (a bare backend's do not).
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        # after_backward: the forward's collective waits for the whole backward, so it always finds it failed.
-        with (
-            pytest.raises(ValueError, match="boom") as raised,
-            torch_ext.overlap_microbatches(forward_collectives="after_backward") as overlap,
-        ):
-            overlap.backward(model(torch.randn(4, 8)).sum())
-            dist.all_reduce(torch.ones(1))
-    finally:
-        dist.destroy_process_group()
+    # after_backward: the forward's collective waits for the whole backward, so it always finds it failed.
+    with (
+        pytest.raises(ValueError, match="boom") as raised,
+        torch_ext.overlap_microbatches(forward_collectives="after_backward") as overlap,
+    ):
+        overlap.backward(model(torch.randn(4, 8)).sum())
+        dist.all_reduce(torch.ones(1))
     stopped = raised.value.__cause__
     assert isinstance(stopped, _C.ForwardStoppedByBackward) and isinstance(stopped, RuntimeError), repr(stopped)
     assert "c10d::allreduce_ was not started: the backward of microbatch 0, running beside this forward" in str(stopped)
+
+
+def _functional_all_reduce(group) -> None:
+    funcol.all_reduce(torch.ones(1), "sum", group).wait()
+
+
+def _with_autograd_excluded(group) -> None:
+    with torch._C._AutoDispatchBelowAutograd():
+        _functional_all_reduce(group)
+
+
+def _in_inference_mode(group) -> None:
+    with torch.inference_mode():
+        _functional_all_reduce(group)
+
+
+def _legacy_all_reduce(group) -> None:
+    # The legacy namespace's kernel calls _c10d_functional's op, which is refused under its own name.
+    torch.ops.c10d_functional.wait_tensor(torch.ops.c10d_functional.all_reduce(torch.ones(1), "sum", "", [0], 1))
+
+
+def _all_to_all_with_its_own_autograd(group) -> None:
+    # Called from Python as _c10d_functional_autograd's op, whose kernel calls _c10d_functional's from C++.
+    x = torch.ones(2, requires_grad=True)
+    torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional_autograd.all_to_all_single(x, [2], [2], group.group_name)
+    )
+
+
+@pytest.mark.parametrize(
+    ("issue", "refused"),
+    [
+        (_functional_all_reduce, "_c10d_functional::all_reduce"),
+        (_with_autograd_excluded, "_c10d_functional::all_reduce"),
+        (_in_inference_mode, "_c10d_functional::all_reduce"),
+        (_legacy_all_reduce, "_c10d_functional::all_reduce"),
+        (_all_to_all_with_its_own_autograd, "_c10d_functional_autograd::all_to_all_single"),
+    ],
+    ids=["plain", "autograd_excluded", "inference_mode", "legacy", "own_autograd"],
+)
+def test_a_functional_collective_a_hook_starts_is_refused_however_it_is_dispatched(
+    group_of_this_process, issue, refused
+):
+    """Its kernel reaches c10d with the Autograd key excluded, past the c10d operators' gate: the functional
+    collectives' own gate refuses it, before it is issued, whether the call dispatches through autograd or not."""
+    model = _model()
+    model[0].weight.register_hook(lambda grad: issue(group_of_this_process) or grad)
+    with pytest.raises(RuntimeError) as raised, torch_ext.overlap_microbatches() as overlap:
+        overlap.backward(model(torch.randn(4, 8)).sum())
+    assert f"torch_ext: {refused} was started during the backward of microbatch 0" in str(raised.value), raised.value
+    # Outside a window the gate lets it through.
+    issue(group_of_this_process)
+
+
+def _attributes_code_looks_up() -> dict[str, object]:
+    """Every attribute, by its qualified name, of the modules and classes through which other code reaches what
+    the overlap acts on: backward, the engine, torch.ops, the RNG state, checkpointing, the optimizer."""
+    owners = {
+        "torch": torch,
+        "torch.autograd": torch.autograd,
+        "torch.autograd.graph": torch.autograd.graph,
+        "torch.autograd.Variable": Variable,
+        "torch.Tensor": torch.Tensor,
+        "torch._ops.OpOverload": torch._ops.OpOverload,
+        "torch._ops.OpOverloadPacket": torch._ops.OpOverloadPacket,
+        "torch.random": torch.random,
+        "torch.cuda": torch.cuda,
+        "torch.utils.checkpoint": torch.utils.checkpoint,
+        "torch.optim.optimizer": importlib.import_module("torch.optim.optimizer"),
+        "torch_ext.engine": torch_ext.engine,
+    }
+    return {f"{owner}.{name}": value for owner, scope in owners.items() for name, value in vars(scope).items()}
+
+
+# What the window still replaces, and docs/guides/moe.md lists with its reason.
+RNG_STATE_FUNCTIONS = {
+    f"{module}.{function}"
+    for module in ("torch", "torch.random", *(["torch.cuda"] if torch.cuda.is_available() else []))
+    for function in ("get_rng_state", "set_rng_state")
+}
+
+
+def test_nothing_of_torchs_is_replaced_while_a_backward_is_in_flight_but_what_the_guide_lists():
+    model = _model()
+    started, release = threading.Event(), threading.Event()
+
+    def held(grad):
+        started.set()
+        release.wait(30)
+        return grad
+
+    torch_ext.backward(model(torch.randn(4, 8)).sum())  # torch_ext's engine is torch.autograd's from here
+    model[0].weight.register_hook(held)
+    before = _attributes_code_looks_up()
+    try:
+        with torch_ext.overlap_microbatches() as overlap:
+            overlap.backward(model(torch.randn(4, 8)).sum())
+            assert started.wait(30)
+            with overlap.deferring():
+                inside = _attributes_code_looks_up()
+            release.set()
+    finally:
+        release.set()
+    replaced = {name for name, value in inside.items() if name in before and value is not before[name]}
+    assert replaced == RNG_STATE_FUNCTIONS
+    guide = (Path(__file__).resolve().parent.parent / "docs/guides/moe.md").read_text()
+    assert all(f"`{name}`" in guide for name in replaced), replaced
+    assert {
+        name for name, value in _attributes_code_looks_up().items() if before.get(name, value) is not value
+    } == set()
+
+
+def test_deferring_hands_over_torch_ext_backward_and_raises_argument_errors_at_once():
+    stock, overlapped = _model(), _model()
+    torch.manual_seed(2)
+    for x in _batches():
+        stock(x).square().mean().backward()
+    torch.manual_seed(2)
+    with torch_ext.overlap_microbatches() as overlap:
+        for x in _batches():
+            with overlap.deferring():
+                torch_ext.backward(overlapped(x).square().mean())
+                assert overlap._in_flight is not None  # handed over
+                # Stock's errors, on this thread, now: checked by torch.autograd.backward, and by the engine.
+                with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+                    (torch.ones(2, requires_grad=True) * 2).backward()
+                with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
+                    torch.ones(2).sum().backward()
+    for a, b in zip(_grads(overlapped), _grads(stock), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_the_forward_rules_typed_in_python_are_the_engines():

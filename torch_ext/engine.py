@@ -12,7 +12,8 @@ and nothing else given) skips stock's Python where that Python would only make t
 gradient and call the engine, and does those two things itself. Any call where stock's Python would do
 more (given gradients, ``inputs=``, subclasses and ``__torch_function__`` modes, functorch transforms,
 autograd debug logging, compiled autograd, a patched ``torch.autograd.backward``/``grad``, anything it
-would raise on) goes through stock's Python as above.
+would raise on) goes through stock's Python as above; so does every call while a backward-entry hook is
+registered (an open ``overlap_microbatches`` registers one), so that the hook sees it at the router.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 from torch.autograd import graph as autograd_graph
 from torch.autograd.variable import Variable
+from torch.utils.hooks import RemovableHandle
 
 from torch_ext._api import Undo, deprecated
 from torch_ext._loader import _C
@@ -78,9 +81,58 @@ class Engine:
         return _STOCK_ENGINE.is_checkpoint_valid()
 
 
-# Called before every backward this process starts through torch_ext (router or direct), when set: an open
-# torch_ext.overlap_microbatches waits there for the backward it has in flight (stock's accumulation order).
-_before_backward: Callable[[], None] | None = None
+class _EngineCall:
+    """One call of ``run_backward`` that reached the router, as ``torch.autograd.backward`` or ``grad`` made it
+    (the roots, their gradients, keep_graph, create_graph, inputs, ...), with the priorities of the route it came
+    by (None off any route)."""
+
+    __slots__ = ("args", "kwargs", "overrides")
+
+    def __init__(self, args: tuple, kwargs: dict, overrides) -> None:
+        self.args = args
+        self.kwargs = kwargs
+        self.overrides = overrides
+
+    @property
+    def roots(self) -> tuple:
+        return tuple(self.args[0] if self.args else self.kwargs["tensors"])
+
+    @property
+    def accumulates_grad(self) -> bool:
+        """A backward() call, which accumulates into ``.grad`` and returns nothing; grad() returns its gradients."""
+        if "accumulate_grad" in self.kwargs:
+            return bool(self.kwargs["accumulate_grad"])
+        return len(self.args) > 6 and bool(self.args[6])
+
+    def run_on_torch_ext(self) -> tuple | None:
+        """The call, on torch_ext's engine (stock's under compiled autograd) whichever route it came by, on this
+        thread."""
+        return _run_on_torch_ext(self.args, self.kwargs, self.overrides)
+
+
+# hook(call) for each registered backward-entry hook, in registration order (see _register_backward_entry_hook);
+# an OrderedDict, as torch's hook tables are, because RemovableHandle refers to it weakly and a dict cannot be.
+_backward_entry_hooks: OrderedDict[int, Callable[[_EngineCall], bool]] = OrderedDict()
+
+
+def _register_backward_entry_hook(hook: Callable[[_EngineCall], bool]) -> RemovableHandle:
+    """Calls ``hook(call)`` before every backward this process starts through torch_ext (on any thread) until the
+    handle is removed; an open torch_ext.overlap_microbatches registers one.
+
+    ``hook`` returns True when it has taken the call over (it runs it, now or later, and the caller gets
+    nothing back), False to let it go on. Only a call that ``accumulates_grad`` may be taken: a grad() call's
+    caller needs its result now. The hooks see every call at the router: while any is registered,
+    :func:`backward` and :func:`grad` take the router's path rather than their direct one.
+    """
+    _installed_router()
+    handle = RemovableHandle(_backward_entry_hooks)
+    _backward_entry_hooks[handle.id] = hook
+    return handle
+
+
+def _taken_by_an_entry_hook(call: _EngineCall) -> bool:
+    return any(hook(call) for hook in tuple(_backward_entry_hooks.values()))
+
 
 # The priorities of the torch_ext.backward/grad call this thread is inside and whose engine call has not
 # started yet ([] for none given); None outside such a call.
@@ -92,7 +144,8 @@ class _Router:
 
     A call goes to torch_ext's engine when its thread is inside torch_ext.backward/grad or :func:`enable`
     is on; any other call, on any thread, to the engine this router replaced. The route's priorities are
-    taken at entry, so a backward nested inside a node (a reentrant checkpoint) does not see them.
+    taken at entry, so a backward nested inside a node (a reentrant checkpoint) does not see them. The
+    backward-entry hooks see every call first, and may take it over (:func:`_register_backward_entry_hook`).
     """
 
     def __init__(self, replaced) -> None:
@@ -100,10 +153,10 @@ class _Router:
         self.enabled_depth = 0
 
     def run_backward(self, *args, **kwargs):
-        if _before_backward is not None:
-            _before_backward()
         overrides = getattr(_thread, "overrides", None)
         _thread.overrides = None
+        if _backward_entry_hooks and _taken_by_an_entry_hook(_EngineCall(args, kwargs, overrides)):
+            return None
         if overrides is None and not self.enabled_depth:
             return self.replaced.run_backward(*args, **kwargs)
         return _run_on_torch_ext(args, kwargs, overrides)
@@ -204,13 +257,14 @@ def _stock_python_only_forwards(tensors: tuple) -> bool:
 
     True when torch_ext's router is the engine and no functorch transform, ``__torch_function__`` (mode
     or subclass), compiled autograd or autograd debug logging is active: what would make stock's Python
-    do something else.
+    do something else. False while a backward-entry hook is registered, which sees calls at the router.
     """
     if _router is None:
         # As the routed path would on a process's first call.
         _installed_router()
     return (
-        Variable._execution_engine is _router
+        not _backward_entry_hooks
+        and Variable._execution_engine is _router
         and not _functorch_transforms_active()
         and not _has_torch_function(tensors)
         and not _compiled_autograd_enabled()
@@ -255,8 +309,6 @@ def backward(
         and torch.autograd.backward is _STOCK_BACKWARD
         and _stock_python_only_forwards((tensors,))
     ):
-        if _before_backward is not None:
-            _before_backward()
         ran = _C.run_backward_implicit(
             tensors,
             create_graph if retain_graph is None else retain_graph,
@@ -307,8 +359,6 @@ def grad(
             and torch.autograd.grad is _STOCK_GRAD
             and _stock_python_only_forwards((outputs, *inputs_tuple))
         ):
-            if _before_backward is not None:
-                _before_backward()
             gradients = _C.run_backward_implicit(
                 outputs,
                 create_graph if retain_graph is None else retain_graph,

@@ -101,7 +101,8 @@ class MicrobatchOverlap:
         self._microbatch = 0
         self._saved_rng_state = False
         self._deferring = 0
-        self._undo_patches: list[Callable[[], None]] = []
+        # What _open registered or replaced, each undone by close().
+        self._undo: list[Callable[[], None]] = []
         self._closed = False
 
     # -- the loop's side --------------------------------------------------------------------------------------
@@ -124,7 +125,7 @@ class MicrobatchOverlap:
         """
         self._check_open("backward")
         roots = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-        if any(isinstance(t, torch.Tensor) and not t.requires_grad for t in roots):
+        if not _all_require_grad(roots):
             # Stock's error, now and on this thread.
             torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
             return
@@ -220,9 +221,11 @@ class MicrobatchOverlap:
         self._raise_backward_error()
 
     def deferring(self, enabled: bool = True) -> _Deferring:
-        """A block in which ``loss.backward()`` and ``torch.autograd.backward`` on this thread are
-        :meth:`backward`: handed over, returning at once. For libraries that call backward themselves; with
-        ``enabled=False`` (the step's last microbatch) the block changes nothing."""
+        """A block in which a backward this thread starts (``loss.backward()``, ``torch.autograd.backward``,
+        ``torch_ext.backward``) is handed over as by :meth:`backward`, returning at once, once
+        ``torch.autograd.backward`` has checked its arguments and made the implicit gradients. For libraries that
+        call backward themselves; with ``enabled=False`` (the step's last microbatch) the block changes
+        nothing."""
         self._check_open("deferring")
         return _Deferring(self, enabled)
 
@@ -259,8 +262,10 @@ class MicrobatchOverlap:
         _C._overlap_open()
         self._forward_thread = threading.current_thread()
         try:
-            self._install_patches()
+            self._register_hooks()
+            self._replace_rng_state_functions()
         except BaseException:
+            self._undo_registrations()
             _C._overlap_close()
             raise
         self._backward_thread = threading.Thread(
@@ -283,10 +288,13 @@ class MicrobatchOverlap:
             self._jobs_ready.notify()
         if self._backward_thread is not None:
             self._backward_thread.join()
-        for undo in reversed(self._undo_patches):
-            undo()
-        self._undo_patches.clear()
+        self._undo_registrations()
         _C._overlap_close()
+
+    def _undo_registrations(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
 
     def _check_open(self, api: str) -> None:
         if self._closed:
@@ -328,18 +336,50 @@ class MicrobatchOverlap:
 
     # -- what runs on other code's calls ----------------------------------------------------------------------
 
-    def _install_patches(self) -> None:
-        """Process-wide patches, each acting only for this overlap's threads, undone by close()."""
+    def _register_hooks(self) -> None:
+        # Every backward this thread starts waits for the one in flight (stock's accumulation order), or, inside
+        # deferring(), is handed over.
+        self._undo.append(_engine._register_backward_entry_hook(self._on_backward_entry).remove)
+        # optimizer.step() reads .grad.
+        self._undo.append(register_optimizer_step_pre_hook(lambda *_: self._wait_on_forward_thread()).remove)
+
+    def _on_backward_entry(self, call: _engine._EngineCall) -> bool:
+        """The backward-entry hook: on this window's thread, a backward() call inside deferring() is handed over
+        as :meth:`backward` hands one (True: taken), and any other call waits for the backward in flight."""
+        if threading.current_thread() is not self._forward_thread:
+            return False
+        # A call whose roots need no gradient goes on, to stock's error, here and now.
+        if self._deferring and call.accumulates_grad and _all_require_grad(call.roots):
+            self._hand_over(call.run_on_torch_ext, self._forward_rule)
+            return True
+        self._wait_on_forward_thread()
+        return False
+
+    def _wait_on_forward_thread(self) -> None:
+        if threading.current_thread() is self._forward_thread and self._in_flight is not None:
+            self.wait()
+
+    def _replace_rng_state_functions(self) -> None:
+        """What the window still replaces, for its whole life: torch's RNG state getters and setters
+        (``get_rng_state`` and ``set_rng_state`` of ``torch``, ``torch.random`` and, with CUDA, ``torch.cuda``),
+        each acting only for this window's threads; docs/guides/moe.md lists them.
+
+        Activation checkpointing (torch's, Megatron's, DeepSpeed's) reads and sets the generator's state through
+        these functions, looked up by name at each call, and nothing narrower sees it: the generator's
+        ``get_state`` and ``set_state`` are C++ methods, with no hook. Not only while a backward is in flight: a
+        read on the forward thread marks its microbatch's backward (below), and forwards run whenever the window
+        is open, the first microbatch's before any backward is in flight.
+        """
         forward = self._forward_thread
 
-        def patch(module: Any, name: str, replacement: Callable[..., Any]) -> None:
+        def replace(module: Any, name: str, replacement: Callable[..., Any]) -> None:
             original = getattr(module, name)
             setattr(module, name, replacement(original))
-            self._undo_patches.append(lambda: setattr(module, name, original))
+            self._undo.append(lambda: setattr(module, name, original))
 
-        # A forward that saves the RNG state (activation checkpointing, torch's, Megatron's, DeepSpeed's) may
-        # recompute, with collectives no plan holds: the next forward waits for the whole backward. On a
-        # backward-side thread, reading or setting the state is an RNG section (_RngSections).
+        # A forward that saves the RNG state (activation checkpointing) may recompute, with collectives no plan
+        # holds: the next forward waits for the whole backward. On a backward-side thread, reading or setting the
+        # state is an RNG section (_RngSections).
         def sectioned_get_rng_state(original, generator):
             def get_rng_state(*args, **kwargs):
                 if threading.current_thread() is forward:
@@ -357,53 +397,18 @@ class MicrobatchOverlap:
 
             return set_rng_state
 
-        # A functional collective's kernel reaches c10d with the Autograd key excluded, past the collective gate, and
-        # the RecordFunction observer that sees it there cannot raise: one started off the forward thread (a hook's,
-        # on the backward thread) is refused here, before it is issued, unless the backward planned it.
-        def refusing_unplanned(call):
-            def __call__(op, /, *args, **kwargs):
-                if threading.current_thread() is not forward:
-                    name = _functional_collective(op)
-                    if name is not None:
-                        _C._overlap_refuse_unless_planned(name)
-                return call(op, *args, **kwargs)
-
-            return __call__
-
-        for op_class in (torch._ops.OpOverloadPacket, torch._ops.OpOverload):
-            patch(op_class, "__call__", refusing_unplanned)
-
         cpu_get = torch.random.get_rng_state
         for module in (torch, torch.random):
-            patch(module, "get_rng_state", lambda original: sectioned_get_rng_state(original, "cpu"))
-            patch(module, "set_rng_state", lambda original: sectioned_set_rng_state(original, "cpu", cpu_get))
+            replace(module, "get_rng_state", lambda original: sectioned_get_rng_state(original, "cpu"))
+            replace(module, "set_rng_state", lambda original: sectioned_set_rng_state(original, "cpu", cpu_get))
         if torch.cuda.is_available():
             cuda_get = torch.cuda.get_rng_state
-            patch(torch.cuda, "get_rng_state", lambda original: sectioned_get_rng_state(original, "cuda"))
-            patch(torch.cuda, "set_rng_state", lambda original: sectioned_set_rng_state(original, "cuda", cuda_get))
+            replace(torch.cuda, "get_rng_state", lambda original: sectioned_get_rng_state(original, "cuda"))
+            replace(torch.cuda, "set_rng_state", lambda original: sectioned_set_rng_state(original, "cuda", cuda_get))
 
-        # Every backward on this thread waits for the one in flight: stock's accumulation order.
-        def before_backward() -> None:
-            if threading.current_thread() is forward and self._in_flight is not None:
-                self.wait()
 
-        previous = _engine._before_backward
-        _engine._before_backward = before_backward
-        self._undo_patches.append(lambda: setattr(_engine, "_before_backward", previous))
-
-        # optimizer.step() reads .grad.
-        handle = register_optimizer_step_pre_hook(lambda *_: before_backward())
-        self._undo_patches.append(handle.remove)
-
-        def deferred_backward(original):
-            def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, *args, **kwargs):
-                if self._deferring and threading.current_thread() is forward:
-                    return self.backward(tensors, grad_tensors, retain_graph, create_graph, inputs=kwargs.get("inputs"))
-                return original(tensors, grad_tensors, retain_graph, create_graph, *args, **kwargs)
-
-            return backward
-
-        patch(torch.autograd, "backward", deferred_backward)
+def _all_require_grad(roots: tuple) -> bool:
+    return not any(isinstance(root, torch.Tensor) and not root.requires_grad for root in roots)
 
 
 class _Deferring:
@@ -475,32 +480,6 @@ def _current_accelerator_stream() -> torch.Stream | None:
     if not torch.accelerator.is_available():
         return None
     return torch.accelerator.current_stream(torch.accelerator.current_device_index())
-
-
-# Namespaces of PyTorch's functional collectives (torch.distributed._functional_collectives; the second is the
-# legacy one).
-_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional")
-# op (OpOverload or OpOverloadPacket) -> the collective's name, "" for any other op.
-_functional_collective_names: dict[Any, str] = {}
-
-
-def _functional_collective(func: Any) -> str | None:
-    """The name of the functional collective ``func`` issues (an op of _FUNCTIONAL_NAMESPACES on a group: one that
-    takes a ``group_name`` or ``ranks``, not ``wait_tensor``), or None."""
-    if not isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return None
-    name = _functional_collective_names.get(func)
-    if name is None:
-        name = ""
-        overloads = [func] if isinstance(func, torch._ops.OpOverload) else [getattr(func, o) for o in func.overloads()]
-        if overloads:
-            schema = overloads[0]._schema
-            # The group: by name, or (the legacy namespace) by tag and ranks.
-            on_a_group = any(argument.name in ("group_name", "ranks") for argument in schema.arguments)
-            if on_a_group and schema.name.split("::")[0] in _FUNCTIONAL_NAMESPACES:
-                name = schema.name
-        _functional_collective_names[func] = name
-    return name or None
 
 
 def overlap_microbatches(forward_collectives: ForwardCollectives = "after_backward_collectives") -> MicrobatchOverlap:

@@ -1,13 +1,13 @@
 // torch_ext._C's half of torch_ext.overlap_microbatches (torch_ext/
-// microbatches.py): its calls turned into the window's (overlap/window.h,
-// overlap/collective_gate.h, where the rule lives), Python's answers to the
+// microbatches.py): its calls turned into the window's (overlap/window.h;
+// the rule lives there and in overlap/collective_gate.h, which the window
+// installs and Python never calls), Python's answers to the
 // questions the overlap asks through HostCallbacks, the forward rules' names
 // and the gate's error type for Python, and the caller's thread-local state
 // carried to the backward thread.
 
 #include "bindings/python_overlap.h"
 #include "engine/caller_thread_state.h"
-#include "overlap/collective_gate.h"
 #include "overlap/window.h"
 
 #include <torch/csrc/Exceptions.h>
@@ -114,15 +114,6 @@ PyObject* py_overlap_report_next_call(PyObject*, PyObject*) {
   END_HANDLE_TH_ERRORS
 }
 
-// _overlap_refuse_unless_planned(name): refuse_functional_collective_
-// unless_planned.
-PyObject* py_overlap_refuse_unless_planned(PyObject*, PyObject* name) {
-  HANDLE_TH_ERRORS
-  refuse_functional_collective_unless_planned(THPUtils_unpackString(name));
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
 // _overlap_finish(error or None): on the backward thread, when the handed
 // backward returned or raised.
 PyObject* py_overlap_finish(PyObject*, PyObject* error) {
@@ -211,10 +202,6 @@ PyMethodDef overlap_methods[] = {
      METH_NOARGS,
      nullptr},
     {"_overlap_finish", py_overlap_finish, METH_O, nullptr},
-    {"_overlap_refuse_unless_planned",
-     py_overlap_refuse_unless_planned,
-     METH_O,
-     nullptr},
     {"_overlap_wait", py_overlap_wait, METH_NOARGS, nullptr},
     {"_overlap_enter_rng_section",
      py_overlap_enter_rng_section,

@@ -7,12 +7,18 @@
 #include <c10/util/StringUtil.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <iterator>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace torch_ext {
 namespace {
@@ -155,29 +161,129 @@ void collective_gate(
   }
 }
 
+// The namespaces of PyTorch's functional collectives
+// (torch.distributed._functional_collectives): the ops, and the same
+// collectives with an autograd formula of their own, whose kernels call the
+// first namespace's (both gated, so that a refusal names the op called). The
+// legacy namespace, c10d_functional (a group by tag and ranks), needs no
+// kernel: its kernels call _c10d_functional's ops too, which are refused
+// under their own names.
+constexpr std::string_view kFunctionalNamespaces[] = {
+    "_c10d_functional",
+    "_c10d_functional_autograd"};
+
+// Which of kFunctionalNamespaces `name` (an op's, "namespace::op") is in,
+// if any.
+std::optional<size_t> functional_namespace(std::string_view name) {
+  const size_t end = name.find("::");
+  for (size_t i = 0; i < std::size(kFunctionalNamespaces); ++i) {
+    if (name.substr(0, end) == kFunctionalNamespaces[i]) {
+      return i;
+    }
+  }
+  return std::nullopt;
+}
+
+// Whether `op` is a collective on a group: it takes a group_name (a
+// functional collective does; wait_tensor does not).
+bool takes_a_group(const c10::OperatorHandle& op) {
+  if (!op.hasSchema()) {
+    return false;
+  }
+  const auto& arguments = op.schema().arguments();
+  return std::any_of(
+      arguments.begin(),
+      arguments.end(),
+      [](const c10::Argument& argument) {
+        return argument.name() == "group_name";
+      });
+}
+
+// The functional collectives' gate. Their kernels reach c10d with the
+// Autograd key excluded (the op's own autograd kernel redispatches below
+// autograd), past collective_gate, where only the forward thread's observer
+// sees them, and an observer cannot raise. BackendSelect is in every call's
+// key set (LocalDispatchKeySet's default included set), below autograd, so a
+// call with autograd excluded or in inference mode reaches this kernel too;
+// and the functional ops register none there, so it takes no one's place. On
+// the forward thread the observer makes the collective wait, as for any
+// other; on any other thread, one the backward in flight did not plan is
+// refused here, before it is issued.
+void functional_collective_gate(
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet keys,
+    torch::jit::Stack* stack) {
+  Window& w = window();
+  if (w.open.load(std::memory_order_acquire) &&
+      std::this_thread::get_id() != w.forward_thread) {
+    std::lock_guard<std::mutex> lock(w.mutex);
+    if (w.current != nullptr) {
+      refuse_unless_planned(op.schema().name(), *w.current);
+    }
+  }
+  op.redispatchBoxed(
+      keys &
+          c10::DispatchKeySet(
+              c10::DispatchKeySet::FULL_AFTER,
+              c10::DispatchKey::BackendSelect),
+      stack);
+}
+
+// Kept for the life of the process, as the registrations they make: the
+// names, because impl() takes a name as a C string.
+std::deque<std::string>& registered_names() {
+  static auto* names = new std::deque<std::string>();
+  return *names;
+}
+
 } // namespace
 
 void install_collective_gate() {
   static std::once_flag once;
   std::call_once(once, [] {
     // Kept for the life of the process: the registrations last as long.
-    auto* library = new torch::Library(
+    auto* c10d = new torch::Library(
         torch::Library::IMPL,
         "c10d",
         c10::DispatchKey::Autograd,
         __FILE__,
         __LINE__);
-    for (const c10::OperatorName& name :
-         c10::Dispatcher::singleton().getAllOpNames()) {
-      if (name.name.rfind("c10d::", 0) != 0 || !is_gated(name.name)) {
+    std::vector<torch::Library*> functional;
+    for (std::string_view space : kFunctionalNamespaces) {
+      functional.push_back(new torch::Library(
+          torch::Library::IMPL,
+          std::string(space),
+          c10::DispatchKey::BackendSelect,
+          __FILE__,
+          __LINE__));
+    }
+    c10::Dispatcher& dispatcher = c10::Dispatcher::singleton();
+    for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+      if (name.name.rfind("c10d::", 0) == 0 && is_gated(name.name)) {
+        registered_names().push_back(name.name.substr(6));
+        c10d->impl(
+            registered_names().back().c_str(),
+            torch::CppFunction::makeFromBoxedFunction<&collective_gate>());
         continue;
       }
-      // Kept alive by `names`: impl() takes the name as a C string.
-      static std::deque<std::string> names;
-      names.push_back(name.name.substr(6));
-      library->impl(
-          names.back().c_str(),
-          torch::CppFunction::makeFromBoxedFunction<&collective_gate>());
+      const std::optional<size_t> space = functional_namespace(name.name);
+      if (!space.has_value()) {
+        continue;
+      }
+      const std::optional<c10::OperatorHandle> op = dispatcher.findOp(name);
+      if (!op.has_value() || !takes_a_group(*op)) {
+        continue;
+      }
+      // impl() takes the name without its namespace, the library's.
+      std::string op_name = name.name.substr(name.name.find("::") + 2);
+      if (!name.overload_name.empty()) {
+        op_name += "." + name.overload_name;
+      }
+      registered_names().push_back(std::move(op_name));
+      functional[*space]->impl(
+          registered_names().back().c_str(),
+          torch::CppFunction::makeFromBoxedFunction<
+              &functional_collective_gate>());
     }
   });
 }
@@ -186,18 +292,6 @@ at::CallbackHandle observe_forward_thread_ops() {
   return at::addThreadLocalCallback(
       at::RecordFunctionCallback(on_forward_op, on_forward_op_end)
           .scopes({at::RecordScope::FUNCTION}));
-}
-
-void refuse_functional_collective_unless_planned(const std::string& name) {
-  Window& w = window();
-  if (!w.open.load(std::memory_order_acquire) ||
-      std::this_thread::get_id() == w.forward_thread) {
-    return;
-  }
-  std::lock_guard<std::mutex> lock(w.mutex);
-  if (w.current != nullptr) {
-    refuse_unless_planned(name, *w.current);
-  }
 }
 
 } // namespace torch_ext

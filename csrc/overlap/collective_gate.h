@@ -18,9 +18,9 @@
 // k, backward i's (k+1)-th until the forward has issued k (the observer
 // counts them) or waits for backward i to end. Any other collective started
 // while backward i runs (a hook's, a nested backward's, a lane node's
-// second) is refused with an error on every rank alike, before it starts; a
-// functional collective, which reaches c10d past the gate, through
-// refuse_functional_collective_unless_planned, called from Python.
+// second) is refused with an error on every rank alike, before it starts;
+// a functional collective, which reaches c10d past the gate, by a second
+// kernel at the functional collectives' BackendSelect key.
 //
 // A forward collective that finds the backward beside it failed is not
 // started either: it raises HostCallbacks::forward_stopped_by_backward's
@@ -28,12 +28,12 @@
 
 #include <ATen/record_function.h>
 
-#include <string>
-
 namespace torch_ext {
 
-// Registers the gate's kernel for every gated c10d operator, once per
-// process.
+// Registers the gate's kernels, once per process: at the Autograd key of
+// every gated c10d operator, and at the BackendSelect key of every
+// functional collective on a group (the ops of _c10d_functional and
+// _c10d_functional_autograd that take a group_name).
 void install_collective_gate();
 
 // Adds, on this thread (the window's forward thread), the observer of every
@@ -42,13 +42,5 @@ void install_collective_gate();
 // skips the gate's kernel, so the forward thread waits there too. Removed
 // with at::removeCallback, on this thread.
 at::CallbackHandle observe_forward_thread_ops();
-
-// A functional collective `name` is about to be issued on this thread
-// (torch_ext/microbatches.py wraps the call of torch.ops operators while the
-// window is open: the op's kernel reaches c10d with the Autograd key
-// excluded, past the gate). Refuses it as the gate refuses an unplanned c10d
-// collective; nothing on the forward thread (the observer makes it wait) or
-// outside a backward in flight.
-void refuse_functional_collective_unless_planned(const std::string& name);
 
 } // namespace torch_ext

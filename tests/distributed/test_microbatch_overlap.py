@@ -392,8 +392,8 @@ def test_a_collective_the_engine_did_not_plan_is_refused_on_every_rank(errors):
 
 
 def test_a_functional_collective_the_engine_did_not_plan_is_refused_on_every_rank(errors):
-    """A hook's functional collective reaches c10d below the gate: the backward thread's torch-function mode
-    refuses it before it is issued."""
+    """A hook's functional collective reaches c10d below the c10d operators' gate: the functional collectives'
+    own gate (their BackendSelect kernel) refuses it before it is issued."""
     kinds = [result["unplanned_functional"] for result in errors]
     assert kinds[0] == kinds[1], kinds
     kind, message, notes = kinds[0]
