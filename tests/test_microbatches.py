@@ -24,7 +24,7 @@ from torch.autograd.variable import Variable
 import torch_ext
 from torch_ext._handed_backward import handed_backward
 from torch_ext._loader import _C
-from torch_ext.microbatches import ForwardCollectives
+from torch_ext.microbatch_overlap import ForwardCollectives
 
 
 def _model() -> nn.Module:

@@ -20,7 +20,7 @@ from torch_ext.current_node import current_node_supported as current_node_suppor
 from torch_ext.current_node import is_current_node_supported
 from torch_ext.engine import Engine, backward, disable, enable, grad, is_enabled
 from torch_ext.engine import enabled as enabled
-from torch_ext.microbatches import MicrobatchOverlap, overlap_microbatches
+from torch_ext.microbatch_overlap import MicrobatchOverlap, overlap_microbatches
 from torch_ext.order import execution_order
 from torch_ext.priority import (
     LAUNCH_FIRST,

@@ -1,6 +1,6 @@
 """Which microbatch's backward this thread runs for :func:`torch_ext.overlap_microbatches`.
 
-State below both of its readers: the overlap (``torch_ext.microbatches``) sets it on its backward thread, and
+State below both of its readers: the overlap (``torch_ext.microbatch_overlap``) sets it on its backward thread, and
 the collective order check (``torch_ext.collectives.order_check``) compares it across ranks, so that neither
 imports the other.
 """

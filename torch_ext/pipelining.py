@@ -43,7 +43,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.nn import Parameter
 
-from torch_ext.microbatches import overlap_microbatches
+from torch_ext.microbatch_overlap import overlap_microbatches
 from torch_ext.split import SplitState, backward_input, backward_weight
 
 if TYPE_CHECKING:

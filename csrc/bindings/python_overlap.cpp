@@ -1,5 +1,5 @@
 // torch_ext._C's half of torch_ext.overlap_microbatches (torch_ext/
-// microbatches.py): its calls turned into the window's (overlap/window.h;
+// microbatch_overlap.py): its calls turned into the window's (overlap/window.h;
 // the rule lives there and in overlap/collective_gate.h, which the window
 // installs and Python never calls), Python's answers to the
 // questions the overlap asks through HostCallbacks, the forward rules' names
@@ -227,8 +227,8 @@ bool init_overlap_bindings(PyObject* module) {
   if (PyModule_AddFunctions(module, overlap_methods) != 0) {
     return false;
   }
-  // {name: value} of each ForwardRule, which torch_ext/microbatches.py reads
-  // rather than restating them.
+  // {name: value} of each ForwardRule, which torch_ext/microbatch_overlap.py
+  // reads rather than restating them.
   THPObjectPtr rules(PyDict_New());
   if (!rules) {
     return false;
@@ -245,7 +245,7 @@ bool init_overlap_bindings(PyObject* module) {
     }
   }
   // A RuntimeError, so that code catching the gate's errors as before still
-  // does; torch_ext/microbatches.py tells it from the others by type.
+  // does; torch_ext/microbatch_overlap.py tells it from the others by type.
   forward_stopped_by_backward_type = PyErr_NewExceptionWithDoc(
       "torch_ext._C.ForwardStoppedByBackward",
       "A collective of the forward thread of torch_ext.overlap_microbatches "

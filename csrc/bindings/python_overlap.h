@@ -2,7 +2,7 @@
 
 // torch_ext._C's microbatch overlap (python_overlap.cpp): the calls into the
 // window and its collective gate (overlap/), and the thread-state capture,
-// that torch_ext/microbatches.py uses.
+// that torch_ext/microbatch_overlap.py uses.
 
 #include "engine/host_callbacks.h"
 

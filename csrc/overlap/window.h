@@ -1,12 +1,13 @@
 #pragma once
 
-// The window of torch_ext.overlap_microbatches (torch_ext/microbatches.py):
-// one microbatch's backward runs on a backward thread while the thread that
-// handed it over (the forward thread) runs the next microbatch's forward.
-// Here: the hand-over, what the backward in flight tells the forward thread
-// (HandedBackward: when the forward's collectives may start, by its
-// ForwardRule), where the forward thread parks, and the RNG sections. The
-// collective gate (collective_gate.h) holds every collective to that order.
+// The window of torch_ext.overlap_microbatches
+// (torch_ext/microbatch_overlap.py): one microbatch's backward runs on a
+// backward thread while the thread that handed it over (the forward thread)
+// runs the next microbatch's forward. Here: the hand-over, what the backward in
+// flight tells the forward thread (HandedBackward: when the forward's
+// collectives may start, by its ForwardRule), where the forward thread parks,
+// and the RNG sections. The collective gate (collective_gate.h) holds every
+// collective to that order.
 //
 // RNG: a checkpoint's recompute sets the global generator to forward's state
 // and back. The backward thread does so only while the forward thread is
@@ -48,8 +49,8 @@ enum class ForwardRule : int {
 };
 
 // Each ForwardRule's name in overlap_microbatches' forward_collectives,
-// indexed by its value: the one list of them, which torch_ext/microbatches.py
-// reads (torch_ext._C._overlap_forward_rules).
+// indexed by its value: the one list of them, which
+// torch_ext/microbatch_overlap.py reads (torch_ext._C._overlap_forward_rules).
 inline constexpr std::array<std::string_view, 3> kForwardRuleNames = {
     "after_backward_collectives",
     "after_backward",
@@ -141,7 +142,8 @@ Window& window();
 std::shared_ptr<HandedBackward> forward_waits_its_turn(
     std::unique_lock<std::mutex>& lock);
 
-// What torch_ext/microbatches.py calls, through bindings/python_overlap.cpp.
+// What torch_ext/microbatch_overlap.py calls, through
+// bindings/python_overlap.cpp.
 
 // This thread becomes the forward thread of a new window, the collective
 // gate on.
