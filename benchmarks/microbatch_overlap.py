@@ -1,48 +1,76 @@
-"""Overlap across microbatches (``torch_ext.overlap_microbatches``) on a synchronous MoE all_to_all: step time,
-exposed communication and the activations held, against the stock loop and the lane alone.
+"""Overlap across microbatches (``torch_ext.overlap_microbatches``) on synchronous MoE all_to_alls: step time,
+exposed communication and the activations held, against the stock loop, the lane alone, and the least exposure an
+overlapped order of the same work could reach on this machine.
 
-A training step here is gradient accumulation over N_MICROBATCHES microbatches of an expert-parallel layer and
-one SGD step, on 2 ranks as 2 hosts on the shaped link (``_hosts.run_on_two_hosts``). A microbatch's forward: a
-dense pre-path (a projection and Linear + ReLU layers over its tokens), the dispatch all_to_all, the expert, the
-combine all_to_all, and a dense path after it (Linear + ReLU layers from the pre-path's output, beside the
-expert's branch, as a shared expert is). The all_to_all is the library's synchronous ``_AllToAll``:
-Megatron-core's, or DeepSpeed's where only it is installed. Its backward runs the gradient's all_to_all inside
-its node, so a microbatch carries four all_to_alls, two in forward and two in backward. Variants:
+A training step here is gradient accumulation over N_MICROBATCHES microbatches and one SGD step, on 2 ranks as 2
+hosts on the shaped link (``_hosts.run_on_two_hosts``), for two shapes of model (``SHAPES``):
 
-  compute  the stock loop with the all_to_alls replaced by the identity: the communication-free reference
-  stock    the stock loop, ``loss.backward()`` per microbatch on PyTorch's engine: every all_to_all exposed
-  lane     torch_ext's engine with ``torch_ext.run_in_lane(_AllToAll)``, the same sequential loop: the backward's
-           all_to_alls hide behind the dense path after (its backward runs beside them); the forward's cannot
-  overlap  the lane and ``torch_ext.overlap_microbatches()``: microbatch i's backward runs on the backward thread
-           while the caller runs microbatch i+1's forward, so each phase's all_to_alls hide behind the other
-           phase's compute (the forward's all_to_alls start once the backward's have started)
-  turns    the same with ``forward_collectives="in_turns_with_backward_collectives"``: the two phases' all_to_alls
-           take turns (backward's combine gradient, forward's dispatch, backward's dispatch gradient, forward's
-           combine), so the forward's dispatch no longer waits for the backward's dispatch gradient, and the
-           backward's dispatch gradient waits for the forward's dispatch
+  pre-path        one expert-parallel layer (CSV cases ``<library> x<ratio>``). A microbatch's forward: a dense
+                  pre-path (a projection and Linear + ReLU layers over its tokens), the dispatch all_to_all, the
+                  expert, the combine all_to_all, and a dense path after it (Linear + ReLU layers from the
+                  pre-path's output, beside the expert's branch, as a shared expert is)
+  dispatch-first  two MoE blocks and a head (cases ``<library> dispatch-first x<ratio>``), each block's forward
+                  issuing its dispatch all_to_all before any dense compute, as many MoE models' do: a router
+                  projection, the dispatch, the expert, the combine (gated by the projection), then a shared expert
+                  of Linear + ReLU layers on the block's input, beside the routed path. A block's output is its
+                  input plus both, a residual, so the second block reads values of the first's magnitude
 
-T_comm is how long stock waits for one microbatch's four all_to_alls (forward and backward) with no dense layer
-(``_common.calibrate_t_comm`` over that microbatch: its blocked time, the median of 15 steps). The dense layers'
-backward per microbatch is swept over multiples of T_comm (--ratios), split between the pre-path and the path
-after; their forward adds about half as much. (No efficiency against T_comm: a step's exposed communication
-measured as below read 1.2-1.6 x N_MICROBATCHES x T_comm for stock, which is blocked time alone; the fraction of
-stock's exposed at the same point is the comparison.)
+The all_to_all is the library's synchronous ``_AllToAll``: Megatron-core's, or DeepSpeed's where only it is
+installed. Its backward runs the gradient's all_to_all inside its node, so a MoE layer carries four all_to_alls a
+microbatch, two in forward and two in backward: four a microbatch for pre-path, eight for dispatch-first.
+Variants:
+
+  compute             the stock loop with the all_to_alls replaced by the identity: the communication-free
+                      reference
+  compute_overlapped  the same communication-free microbatches under ``torch_ext.overlap_microbatches()``: the
+                      compute on two threads, no collective at all; a part of the limit (below)
+  stock               the stock loop, ``loss.backward()`` per microbatch on PyTorch's engine: every all_to_all
+                      exposed
+  lane                torch_ext's engine with ``torch_ext.run_in_lane(_AllToAll)``, the same sequential loop: the
+                      backward's all_to_alls hide behind the dense path after (its backward runs beside them); the
+                      forward's cannot
+  overlap             the lane and ``torch_ext.overlap_microbatches()``: microbatch i's backward runs on the
+                      backward thread while the caller runs microbatch i+1's forward, so each phase's all_to_alls
+                      hide behind the other phase's compute (the forward's all_to_alls start once the backward's
+                      have started)
+  turns               the same with ``forward_collectives="in_turns_with_backward_collectives"``: the two phases'
+                      all_to_alls take turns, the backward's first (pre-path: backward's combine gradient,
+                      forward's dispatch, backward's dispatch gradient, forward's combine), so the forward's first
+                      no longer waits for the backward's last, and the backward's k+1-th waits for the forward's
+                      k-th
+
+T_comm is how long stock waits for one microbatch's all_to_alls (forward and backward) with no dense layer, each
+shape its own: that shape with no dense layer (``_common.calibrate_t_comm`` over one microbatch: its blocked time,
+the median of 15 steps). The dense layers' backward per microbatch is swept over multiples of T_comm (--ratios),
+split between the pre-path and the path after (dispatch-first: between the two blocks' shared experts); their
+forward adds about half as much. (No efficiency against T_comm: a step's exposed communication measured as below
+read 1.2-1.6 x N_MICROBATCHES x T_comm for stock, which is blocked time alone; the fraction of stock's exposed at
+the same point is the comparison.)
 
 Per point and repetition (the variants alternating, every metric the slower rank's): step time (zero_grad, the
 microbatches, the SGD step); exposed communication = the step - the same repetition's ``compute`` step. For
 stock and the lane, the exposure of each phase: the sum of the microbatches' forward (backward) times -
-compute's. The overlap's phases run at once, so it has the total only. Reported as medians, and the exposed
+compute's. The overlap's phases run at once, so it has the total only. ``compute_overlapped``'s step - the same
+repetition's ``compute`` step is what two threads cost the compute. Reported as medians, and the exposed
 communication as a fraction of stock's at the same point.
 
-What bounds the overlap here: microbatch 0's forward all_to_alls have no backward beside them, and the last
-backward's dispatch gradient has nothing after it, 3 of the step's 4 x N_MICROBATCHES all_to_alls (a floor of
-3 / (4 N) of stock's exposed); at low compute a microbatch's all_to_alls, one after another, outlast the compute
-beside them; and on this 2-core machine two compute threads per rank cost more than one.
+The limit, per point (``exposure_limit``, which derives it): the least exposed communication an order that runs
+two microbatches at once, the only kind that can hide a synchronous forward all_to_all, could reach on this
+machine. The larger of two bounds, from parts measured at the point: the compute on two threads plus the edges
+(microbatch 0's forward all_to_alls, with no backward beside them, and the last microbatch's backward ones, with
+no forward after them: about 1 / N_MICROBATCHES of stock's exposure), and the link's time for all the step's bytes
+(N_MICROBATCHES x T_comm), which at low compute outlasts the compute beside it. Each rule (lane, overlap, turns)
+is then read as the fraction of the gap between stock's exposure and the limit it closes (``gap_closed``): 0 at
+stock's, 1 at the limit. On this 2-core machine two compute threads per rank cost more than one, which the limit
+counts.
 
 CPU time: each variant's step also records the CPU time its process used (``time.process_time``, every thread),
 and the table's ``cpu +ms`` is that above the same repetition's ``compute`` step's. With two ranks on two cores, a
 rank has about one core: CPU time a variant adds cannot hide behind anything, only waiting can; the summary
 prints that part of the exposure.
+
+A quick run (--quick) times pre-path alone, without turns and compute_overlapped (``QUICK_SHAPES``,
+``QUICK_LEFT_OUT``), so it prints no limit; a full run times every shape and variant.
 
 The figures (each rule's runs, what was traced, the CPU costs) are in docs/benchmarks.md, "Overlap across
 microbatches", and docs/guides/moe.md, with the runs that made them.
@@ -67,6 +95,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -107,25 +136,40 @@ import torch_ext
 
 NAME = "microbatch_overlap"
 WORLD_SIZE = 2
-# Microbatches a step: 8, as gradient accumulation commonly uses; the unhideable floor is 3 / (4 x this) of stock's
-# exposure (above). Quick runs' figures, with 4 and with 8, are in docs/benchmarks.md.
+# Microbatches a step: 8, as gradient accumulation commonly uses; the edges that no order hides are about 1 / this
+# of stock's exposure (exposure_limit). Quick runs' figures, with 4 and with 8, are in docs/benchmarks.md.
 N_MICROBATCHES = 8
 # Tokens each rank sends each expert per microbatch, and their width: 512 x 256 floats = 0.5 MiB to the other
-# rank per all_to_all, four all_to_alls a microbatch.
+# rank per all_to_all, four all_to_alls a MoE layer a microbatch.
 CAPACITY = 512
 DIM = 256
 # Tokens of a microbatch on a rank (every dense layer reads them all).
 ROWS = WORLD_SIZE * CAPACITY
+# Dense layers a MoE layer at most (a shape with two has twice as many): a cap on the sweep's depth.
 MAX_DENSE_LAYERS = 64
 ENGINE_VARIANTS = ("stock", "lane", "overlap", "turns")
-# The variants that overlap microbatches, and their rule for the forward's collectives.
-OVERLAPPED_VARIANTS = {"overlap": "after_backward_collectives", "turns": "in_turns_with_backward_collectives"}
-TIMED_VARIANTS = ("compute", *ENGINE_VARIANTS)
-# Left out of a quick run's timing (its bits are still checked): the turns rule, not the default. It was a fifth of
-# a quick run's steps, and the default rule's figures are the quick run's claim.
-QUICK_LEFT_OUT = ("turns",)
+# The variants whose all_to_alls are the identity: no collective at all.
+COMPUTE_VARIANTS = ("compute", "compute_overlapped")
+# The variants that overlap microbatches, and their rule for the forward's collectives (compute_overlapped has none
+# to order: the default).
+OVERLAPPED_VARIANTS = {
+    "compute_overlapped": "after_backward_collectives",
+    "overlap": "after_backward_collectives",
+    "turns": "in_turns_with_backward_collectives",
+}
+TIMED_VARIANTS = ("compute", "compute_overlapped", *ENGINE_VARIANTS)
+# The rules read against the limit: the fraction of the gap between stock's exposure and the limit each closes.
+RULES = ("lane", "overlap", "turns")
+# Left out of a quick run's timing. The turns rule, not the default (its bits are still checked): it was a fifth of
+# a quick run's steps, and the default rule's figures are the quick run's claim. compute_overlapped, which only the
+# limit reads: at x1 of a full run here (456eb1e) the compute step took 563 ms of the quick variants' 2894 ms a
+# repetition, so it would add about a fifth to this script's ~50 s quick run, where bench --quick (166-172 s) has
+# 8-14 s left of its 3 minutes. A quick run prints no limit.
+QUICK_LEFT_OUT = ("turns", "compute_overlapped")
 # The variants whose forward and backward run one after the other, so that each phase has its own time.
 PHASED_VARIANTS = ("compute", "stock", "lane")
+# The table's variant column.
+VARIANT_WIDTH = max(len(variant) for variant in TIMED_VARIANTS)
 # The aims the summary measures against (the issue's): at the headline point, the overlap's exposed communication
 # at most this fraction of stock's, and its step at most this fraction of stock's.
 AIM_EXPOSED_FRACTION = 0.30
@@ -142,9 +186,9 @@ def _dense(layers: int) -> nn.Sequential:
 
 
 class MoELayer(nn.Module):
-    """One microbatch's layer: the pre-path (a projection, then ``pre_layers`` dense layers), dispatch, expert,
-    combine, and ``post_layers`` dense layers from the pre-path's output after it. With no dense layer, the
-    all_to_alls have nothing to hide behind (T_comm's calibration)."""
+    """pre-path's model, one microbatch's layer: the pre-path (a projection, then ``pre_layers`` dense layers),
+    dispatch, expert, combine, and ``post_layers`` dense layers from the pre-path's output after it. With no dense
+    layer, the all_to_alls have nothing to hide behind (T_comm's calibration)."""
 
     def __init__(self, all_to_all: Callable, pre_layers: int, post_layers: int) -> None:
         super().__init__()
@@ -167,9 +211,102 @@ class MoELayer(nn.Module):
         return loss / N_MICROBATCHES
 
 
+# MoE blocks a microbatch in dispatch-first: more than one, so that a forward's all_to_alls also come after dense
+# work (the first block's shared expert), as in a model of many.
+DISPATCH_FIRST_BLOCKS = 2
+
+
+class DispatchFirstBlock(nn.Module):
+    """One MoE block whose forward issues its dispatch all_to_all before any dense compute: a router projection,
+    the dispatch, the expert, the combine gated by the projection, then a shared expert of ``shared_layers`` dense
+    layers on the block's input. Its output is its input plus the routed path's and the shared expert's."""
+
+    def __init__(self, shared_layers: int) -> None:
+        super().__init__()
+        # The projection makes the dispatched tokens need a gradient: the dispatch's backward all_to_all runs.
+        self.router = nn.Linear(DIM, DIM)
+        self.expert = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+        self.gate = nn.Linear(DIM, 1)
+        self.shared = _dense(shared_layers)
+
+    def forward(self, tokens: torch.Tensor, all_to_all: Callable) -> torch.Tensor:
+        group = dist.group.WORLD
+        routed = self.router(tokens)
+        returned = all_to_all(group, self.expert(all_to_all(group, routed)))
+        # The residual keeps the second block's input at the first's magnitude: the routed path adds at most 1 a
+        # value (tanh, gated), the shared expert's Linear + ReLU layers shrink what they read.
+        output = tokens + returned * torch.sigmoid(self.gate(routed))
+        if self.shared:
+            output = output + self.shared(tokens)
+        return output
+
+
+class DispatchFirstModel(nn.Module):
+    """dispatch-first's model: DISPATCH_FIRST_BLOCKS ``DispatchFirstBlock``s, their ``dense_layers`` split between
+    their shared experts, and a head. With no dense layer, the all_to_alls have nothing to hide behind (T_comm's
+    calibration)."""
+
+    def __init__(self, all_to_all: Callable, dense_layers: int) -> None:
+        super().__init__()
+        self.all_to_all = all_to_all
+        per_block = [dense_layers // DISPATCH_FIRST_BLOCKS] * DISPATCH_FIRST_BLOCKS
+        per_block[-1] += dense_layers % DISPATCH_FIRST_BLOCKS
+        self.blocks = nn.ModuleList(DispatchFirstBlock(layers) for layers in per_block)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, tokens: torch.Tensor, communicate: bool = True) -> torch.Tensor:
+        all_to_all = self.all_to_all if communicate else _identity
+        hidden = tokens
+        for block in self.blocks:
+            hidden = block(hidden, all_to_all)
+        return self.head(hidden).sum() / N_MICROBATCHES
+
+
+def _pre_path_model(all_to_all: Callable, dense_layers: int) -> MoELayer:
+    pre_layers = dense_layers // 2
+    return MoELayer(all_to_all, pre_layers, dense_layers - pre_layers)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A shape of model the sweep times."""
+
+    # In the CSV's cases, after the library's name: ``<library>[ <case_name>] x<ratio>``; "" for pre-path, which
+    # CSVs from before dispatch-first name by the library alone.
+    case_name: str
+    # In the table's and the summary's headings.
+    title: str
+    # MoE layers a microbatch, four all_to_alls each.
+    moe_layers: int
+    # (all_to_all, dense layers) -> the model.
+    build: Callable[[Callable, int], nn.Module]
+
+    def case_prefix(self, library: str) -> str:
+        """The CSV's case of this shape's T_comm, and of its sweep points before `` x<ratio>``."""
+        return f"{library} {self.case_name}" if self.case_name else library
+
+
+PRE_PATH = ModelShape("", "pre-path", 1, _pre_path_model)
+DISPATCH_FIRST = ModelShape(
+    "dispatch-first", f"dispatch-first, {DISPATCH_FIRST_BLOCKS} MoE layers", DISPATCH_FIRST_BLOCKS, DispatchFirstModel
+)
+SHAPES = (PRE_PATH, DISPATCH_FIRST)
+# A quick run leaves dispatch-first out, bits and all: its T_comm's calibration, bits check and steps would about
+# double this script's part of bench --quick (twice the all_to_alls a microbatch, so twice the dense layers at a
+# ratio), which (166-172 s) has 8-14 s left of its 3 minutes. The two shapes' figures are a full run's.
+QUICK_SHAPES = (PRE_PATH,)
+
+
+def _split_case_prefix(prefix: str) -> tuple[str, ModelShape]:
+    """(library, shape) of a case's name before `` x<ratio>`` (``ModelShape.case_prefix``)."""
+    library, _, case_name = prefix.partition(" ")
+    return library, next(shape for shape in SHAPES if shape.case_name == case_name)
+
+
 @contextlib.contextmanager
 def variant_engine(variant: str, function: type):
-    """The engine and declaration of ``variant``; the _AllToAll is back to undeclared afterwards."""
+    """The engine and declaration of ``variant``; the _AllToAll is back to undeclared afterwards. compute_overlapped
+    runs on torch_ext's engine, as the overlap does, with no _AllToAll in its graph."""
     if variant in ("stock", "compute"):
         yield
         return
@@ -181,10 +318,10 @@ def variant_engine(variant: str, function: type):
         torch_ext.unregister_collective_backward(function)
 
 
-def _accumulate(model: MoELayer, batches: Sequence[torch.Tensor], variant: str) -> tuple[float, float]:
+def _accumulate(model: nn.Module, batches: Sequence[torch.Tensor], variant: str) -> tuple[float, float]:
     """The microbatches' forwards and backwards, gradients accumulated, under the variant's engine (entered by the
-    caller); (forward seconds, backward seconds) summed over the microbatches, both 0 for the overlap."""
-    communicate = variant != "compute"
+    caller); (forward seconds, backward seconds) summed over the microbatches, both 0 for the overlapped ones."""
+    communicate = variant not in COMPUTE_VARIANTS
     if variant in OVERLAPPED_VARIANTS:
         with torch_ext.overlap_microbatches(OVERLAPPED_VARIANTS[variant]) as overlap:
             for tokens in batches:
@@ -201,7 +338,7 @@ def _accumulate(model: MoELayer, batches: Sequence[torch.Tensor], variant: str) 
     return forward_s, backward_s
 
 
-def _step(model: MoELayer, optimizer, batches, variant: str, function: type) -> dict[str, float]:
+def _step(model: nn.Module, optimizer, batches, variant: str, function: type) -> dict[str, float]:
     """Seconds of a step (``step_s``: zero_grad, the microbatches, the SGD step), and for the phased variants of
     its forwards (``forward_s``) and backwards (``backward_s``), the ranks started together, Python's GC off."""
     dist.barrier()
@@ -224,7 +361,7 @@ def _step(model: MoELayer, optimizer, batches, variant: str, function: type) -> 
     return {"step_s": step_s, "cpu_s": cpu_s, "forward_s": forward_s, "backward_s": backward_s}
 
 
-def _check_bits_and_memory(model: MoELayer, batches, function: type, rank: int, library: str) -> dict[str, dict]:
+def _check_bits_and_memory(model: nn.Module, batches, function: type, rank: int, case: str) -> dict[str, dict]:
     """One step of each engine variant (no optimizer step), its activations counted (``_saved_peak``): its
     accumulated gradients must be torch.equal to stock's. Returns each variant's ``_saved_peak``."""
     grads, memory = {}, {}
@@ -234,7 +371,7 @@ def _check_bits_and_memory(model: MoELayer, batches, function: type, rank: int, 
     model.zero_grad(set_to_none=True)
     for variant in ENGINE_VARIANTS[1:]:
         if not all(torch.equal(a, b) for a, b in zip(grads["stock"], grads[variant], strict=True)):
-            raise AssertionError(f"rank {rank}, {library}: {variant}'s gradients differ from stock's")
+            raise AssertionError(f"rank {rank}, {case}: {variant}'s gradients differ from stock's")
     return memory
 
 
@@ -290,7 +427,7 @@ class SavedBytes:
                 self.total -= entry[1]
 
 
-def _saved_peak(model: MoELayer, batches, variant: str, function: type) -> dict[str, float]:
+def _saved_peak(model: nn.Module, batches, variant: str, function: type) -> dict[str, float]:
     """One untimed step of ``variant`` (no optimizer step, the gradients left in ``.grad``) under a ``SavedBytes``
     pack hook: the peak bytes of activations held at once, and (the phased variants) the most one microbatch's
     forward saved."""
@@ -303,7 +440,7 @@ def _saved_peak(model: MoELayer, batches, variant: str, function: type) -> dict[
             _accumulate(model, batches, variant)
         else:
             for tokens in batches:
-                loss = model(tokens, variant != "compute")
+                loss = model(tokens, variant not in COMPUTE_VARIANTS)
                 one_microbatch = max(one_microbatch, counter.total)
                 loss.backward()
                 del loss
@@ -318,12 +455,14 @@ def _microbatches(rank: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(ROWS, DIM) for _ in range(N_MICROBATCHES)]
 
 
-def _run_library(library: str, config: SweepConfig, t_layer: float) -> dict:
+def _run_shape(library: str, shape: ModelShape, config: SweepConfig, t_layer: float) -> dict:
+    """``shape``'s T_comm, then its sweep: per point, the bits checked, the activations counted, the variants
+    timed."""
     rank = dist.get_rank()
     all_to_all, function = library_all_to_all(library)
     batches = _microbatches(rank, 0)
     torch.manual_seed(rank)
-    probe = MoELayer(all_to_all, 0, 0)
+    probe = shape.build(all_to_all, 0)
     probe_optimizer = torch.optim.SGD(probe.parameters(), lr=1e-4)
 
     def probe_step() -> dict[str, float]:
@@ -338,12 +477,11 @@ def _run_library(library: str, config: SweepConfig, t_layer: float) -> dict:
     t_comm = statistics.median(comm_s)
     points = []
     for ratio in config.ratios:
-        dense_layers = sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS)
-        pre_layers = dense_layers // 2
+        dense_layers = sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS * shape.moe_layers)
         torch.manual_seed(rank)
-        model = MoELayer(all_to_all, pre_layers, dense_layers - pre_layers)
+        model = shape.build(all_to_all, dense_layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-        memory = _check_bits_and_memory(model, batches, function, rank, library)
+        memory = _check_bits_and_memory(model, batches, function, rank, sweep_case(shape.case_prefix(library), ratio))
 
         def measure(variant: str, _rep: int, model=model, optimizer=optimizer) -> dict[str, float]:
             return _step(model, optimizer, batches, variant, function)
@@ -356,9 +494,11 @@ def _run_library(library: str, config: SweepConfig, t_layer: float) -> dict:
 
 
 def _run_rank(library: str, config: SweepConfig) -> dict:
-    """One rank's part, in the process group: its times per sweep point and variant, under ``library``'s key."""
+    """One rank's part, in the process group: its times per shape, sweep point and variant, under each shape's
+    ``case_prefix``."""
     t_layer = agreed_max(dense_layer_backward_s(DIM, ROWS, config.calibration_reps, CALIBRATION_S))
-    return {library: _run_library(library, config, t_layer)}
+    shapes = QUICK_SHAPES if config.quick else SHAPES
+    return {shape.case_prefix(library): _run_shape(library, shape, config, t_layer) for shape in shapes}
 
 
 def _exposed(samples: dict, variant: str, metric: str) -> list[float]:
@@ -374,43 +514,125 @@ def _single(value: float) -> Summary:
     return Summary(value, value, value)
 
 
+@dataclass(frozen=True)
+class ExposureLimit:
+    """A sweep point's limit (``exposure_limit``) and its parts, medians in ms."""
+
+    # One microbatch's forward exposure and one's backward (the first's and the last's): what waits with nothing
+    # to compute beside it.
+    edges_ms: float
+    # compute_overlapped's step - the same repetition's compute step: what two threads cost the compute.
+    two_threads_ms: float
+    # N_MICROBATCHES x T_comm: the link's time for all the step's bytes.
+    link_ms: float
+    # The compute step, serial: what a step's exposure is measured from.
+    compute_ms: float
+
+    @property
+    def exposed_ms(self) -> float:
+        return max(self.edges_ms + self.two_threads_ms, self.link_ms - self.compute_ms)
+
+
+def exposure_limit(rows: dict, case: str) -> ExposureLimit | None:
+    """The least exposed communication an order that runs two microbatches at once could reach at sweep point
+    ``case``, from what its CSV ``rows`` (keyed as ``_common.read_csv`` keys them) measured; None where
+    compute_overlapped was not timed (a quick run, a CSV from before it).
+
+    Exposure is a step's time minus the same repetition's serial compute-only step, C (``compute``'s step). Only
+    an order that runs two microbatches at once can hide a synchronous forward all_to_all (the forward's thread
+    waits in it), and whatever else such an order does, two bounds hold:
+
+    - Compute and edges. Its compute takes C2, the compute-only step on two threads (``compute_overlapped``: the
+      overlap's threads, no collective). Beyond that, the edges wait with nothing to compute: microbatch 0's
+      forward all_to_alls (no backward is in flight yet) and the last microbatch's backward ones (no forward comes
+      after it). E = one microbatch's forward exposure + one microbatch's backward exposure, each phase's exposure
+      over the step / N_MICROBATCHES, the lesser of stock's and the lane's (the lane hides a backward's
+      all_to_alls behind its own dense path, which the last backward can do too). Step >= C2 + E, so
+      exposure >= E + (C2 - C).
+    - The link. Every byte of the step crosses it: L = N_MICROBATCHES x T_comm, T_comm the shape's wait for one
+      microbatch's all_to_alls with no dense layer. Step >= L, so exposure >= L - C.
+
+    The limit is the larger. What it leaves out would raise it: the compute before the first all_to_all and after
+    the last (a projection's), and, in the link's bound, the CPU time the communication itself takes (gloo's
+    threads on a rank's one core). What would lower L: T_comm, the all_to_alls one at a time, holds each one's
+    latency, which two in flight at once could share.
+    """
+    if ("compute_overlapped", case, "added_ms") not in rows:
+        return None
+
+    def median(what: str, metric: str, of_case: str = case) -> float:
+        return rows[(what, of_case, metric)]["median"]
+
+    edges = sum(
+        min(median(variant, f"{phase}_exposed_ms") for variant in ("stock", "lane"))
+        for phase in ("forward", "backward")
+    )
+    return ExposureLimit(
+        edges_ms=edges / N_MICROBATCHES,
+        two_threads_ms=median("compute_overlapped", "added_ms"),
+        link_ms=N_MICROBATCHES * median("comm", "t_comm_ms", case.rpartition(" x")[0]),
+        compute_ms=median("compute", "step_ms"),
+    )
+
+
+def gap_closed(stock_exposed_ms: float, exposed_ms: float, limit_exposed_ms: float) -> float:
+    """The fraction of the gap between stock's exposure and the limit that ``exposed_ms`` closes: 0 at stock's, 1 at
+    the limit; NaN where stock's is not above the limit (no gap to close)."""
+    gap = stock_exposed_ms - limit_exposed_ms
+    return (stock_exposed_ms - exposed_ms) / gap if gap > 0 else float("nan")
+
+
+def _gaps_closed(rows: dict, case: str, limit: ExposureLimit) -> dict[str, float]:
+    """Each timed rule's ``gap_closed`` at sweep point ``case``, from its CSV ``rows``."""
+    stock = rows[("stock", case, "exposed_ms")]["median"]
+    return {
+        rule: gap_closed(stock, rows[(rule, case, "exposed_ms")]["median"], limit.exposed_ms)
+        for rule in RULES
+        if (rule, case, "exposed_ms") in rows
+    }
+
+
 def report(results: list[dict], link: str, out: str, load: Summary | None = None) -> None:
     """Prints the table and writes the CSV; ``load``: the runnable tasks while the ranks ran, where known."""
     sha = git_sha()
     rows = []
-    for library in results[0]:
-        first = results[0][library]
+    for prefix in results[0]:
+        library, shape = _split_case_prefix(prefix)
+        first = results[0][prefix]
         comm = _ms(first["comm_s"])
-        name = LIBRARY_NAMES[library]
         print(
-            f"\n{NAME}, {name}: {N_MICROBATCHES} microbatches of {ROWS} tokens x {DIM}d, {CAPACITY} per expert, "
-            f"{link}; T_comm {comm} ms a microbatch (stock's wait for its 4 all_to_alls with no dense layer, "
-            f"{len(first['comm_s'])} steps), {N_MICROBATCHES * comm.median:.1f} ms a step; one dense layer's backward "
-            f"{first['t_layer'] * 1e3:.2f} ms"
+            f"\n{NAME}, {LIBRARY_NAMES[library]}, {shape.title}: {N_MICROBATCHES} microbatches of {ROWS} tokens x "
+            f"{DIM}d, {CAPACITY} per expert, {link}; T_comm {comm} ms a microbatch (stock's wait for its "
+            f"{4 * shape.moe_layers} all_to_alls with no dense layer, {len(first['comm_s'])} steps), "
+            f"{N_MICROBATCHES * comm.median:.1f} ms a step; one dense layer's backward {first['t_layer'] * 1e3:.2f} "
+            "ms. gap: the fraction of stock's exposure above the limit (where compute_overlapped was timed) that a "
+            "rule hides"
         )
         print(
-            f"{'ratio':>5} {'layers':>6} {'variant':<8} {'step ms':>8} {'/stock':>6} {'exposed ms':>10} "
-            f"{'/stock':>6} {'cpu +ms':>7} {'fwd exp':>7} {'bwd exp':>7} {'saved MiB':>9} {'/stock':>6}"
+            f"{'ratio':>5} {'layers':>6} {'variant':<{VARIANT_WIDTH}} {'step ms':>8} {'/stock':>6} {'exposed ms':>10} "
+            f"{'/stock':>6} {'cpu +ms':>7} {'fwd exp':>7} {'bwd exp':>7} {'saved MiB':>9} {'/stock':>6} {'gap':>6}"
         )
-        rows.append(csv_row("comm", library, f"{ROWS} tokens x {DIM}d a microbatch, {link}", "t_comm_ms", comm, sha))
-        merged = merge_ranks([r[library]["points"] for r in results])
+        rows.append(csv_row("comm", prefix, f"{ROWS} tokens x {DIM}d a microbatch, {link}", "t_comm_ms", comm, sha))
+        merged = merge_ranks([r[prefix]["points"] for r in results])
         for index, point in enumerate(merged):
             samples = point["samples"]
             # Each rank's activations are its own; the larger of the two ranks' (they hold the same shapes).
             memory = {
                 variant: {
-                    key: max(r[library]["points"][index]["memory"][variant][key] for r in results)
+                    key: max(r[prefix]["points"][index]["memory"][variant][key] for r in results)
                     for key in ("saved_peak_bytes", "one_microbatch_bytes")
                 }
                 for variant in ENGINE_VARIANTS
             }
-            case = sweep_case(library, point["ratio"])
+            case = sweep_case(prefix, point["ratio"])
             size = f"{ROWS} tokens x {DIM}d a microbatch, {point['dense_layers']} dense layers, {link}"
             stock_step = statistics.median(samples["stock"]["step_s"])
             stock_exposed = statistics.median(_exposed(samples, "stock", "step_s"))
             stock_saved = memory["stock"]["saved_peak_bytes"]
             one_microbatch = memory["stock"]["one_microbatch_bytes"]
             rows.append(csv_row("stock", case, size, "one_microbatch_mib", _single(one_microbatch / 2**20), sha))
+            # Each variant's cells: printed once the point's limit is known.
+            lines = []
             for variant in (v for v in TIMED_VARIANTS if v in samples):
                 step = _ms(samples[variant]["step_s"])
                 rows.append(csv_row(variant, case, size, "step_ms", step, sha))
@@ -423,10 +645,12 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
                 if variant == "compute":
                     cpu = _ms(samples[variant]["cpu_s"])
                     rows.append(csv_row(variant, case, size, "cpu_ms", cpu, sha))
-                    print(
-                        f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<8} {' '.join(cells)} "
-                        f"{'(cpu ms)':>17} {cpu.median:7.1f}"
-                    )
+                    lines.append((variant, [*cells, f"{'(cpu ms)':>17}", f"{cpu.median:7.1f}"]))
+                    continue
+                if variant == "compute_overlapped":
+                    added = _ms(_exposed(samples, variant, "step_s"))
+                    rows.append(csv_row(variant, case, size, "added_ms", added, sha))
+                    lines.append((variant, [*cells, f"{'(+ms, 2 threads)':>17}", f"{added.median:7.1f}"]))
                     continue
                 exposed_s = _exposed(samples, variant, "step_s")
                 exposed = _ms(exposed_s)
@@ -448,15 +672,39 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
                 saved = memory[variant]["saved_peak_bytes"]
                 rows.append(csv_row(variant, case, size, "saved_peak_mib", _single(saved / 2**20), sha))
                 cells += [f"{saved / 2**20:9.1f}", f"{saved / stock_saved:6.2f}"]
-                print(f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<8} {' '.join(cells)}")
+                lines.append((variant, cells))
             # The ratio the point had: the communication-free step's backward over the step's T_comm.
             ratio = measured_ratio(samples["compute"]["backward_s"], N_MICROBATCHES * comm.median / 1e3)
             rows.append(measured_ratio_row(case, size, ratio, sha))
+            point_rows = _rows_by_key(rows)
+            limit = exposure_limit(point_rows, case)
+            gaps = {} if limit is None else _gaps_closed(point_rows, case, limit)
+            if limit is not None:
+                for metric, value in (
+                    ("edges_ms", limit.edges_ms),
+                    ("link_ms", limit.link_ms),
+                    ("limit_exposed_ms", limit.exposed_ms),
+                ):
+                    rows.append(csv_row("limit", case, size, metric, _single(value), sha))
+                for rule, gap in gaps.items():
+                    rows.append(csv_row(rule, case, size, "gap_closed", _single(gap), sha))
+            for variant, cells in lines:
+                gap = [f"{gaps[variant]:6.2f}"] if variant in gaps else []
+                print(
+                    f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<{VARIANT_WIDTH}} "
+                    f"{' '.join([*cells, *gap])}"
+                )
             print(f"{'':12} measured ratio (compute-only backward / T_comm) {ratio:.2f}")
             print(
                 f"{'':12} one microbatch's activations {one_microbatch / 2**20:.1f} MiB: stock + one microbatch = "
                 f"{(stock_saved + one_microbatch) / stock_saved:.2f} x stock's peak"
             )
+            if limit is not None:
+                print(
+                    f"{'':12} limit: exposed {limit.exposed_ms:.1f} ms, {limit.exposed_ms / 1e3 / stock_exposed:.2f} "
+                    f"of stock's = max(edges {limit.edges_ms:.1f} + two threads {limit.two_threads_ms:.1f}, link "
+                    f"{limit.link_ms:.1f} - compute {limit.compute_ms:.1f})"
+                )
     if load is not None:
         rows.append(csv_row("machine", NAME, link, "runnable_tasks", load, sha))
     print_load(load)
@@ -495,15 +743,21 @@ def print_summary(rows: Sequence[SummaryRow]) -> None:
             f"(stock's + one microbatch's: {overlap['one_more_ratio']:.2f})"
         )
         turns = of_case.get("turns")
-        if turns is None:
-            continue
-        by_point = ", ".join(
-            f"{p} {turns[f'exposed_fraction {p}']:.2f}/{overlap[f'exposed_fraction {p}']:.2f}" for p in points
-        )
-        print(
-            f"turns: exposed {turns['exposed_fraction']:.2f} of stock's, step {turns['ratio']:.2f} x stock's; "
-            f"exposed against the overlap's by point: {by_point}"
-        )
+        if turns is not None:
+            by_point = ", ".join(
+                f"{p} {turns[f'exposed_fraction {p}']:.2f}/{overlap[f'exposed_fraction {p}']:.2f}" for p in points
+            )
+            print(
+                f"turns: exposed {turns['exposed_fraction']:.2f} of stock's, step {turns['ratio']:.2f} x stock's; "
+                f"exposed against the overlap's by point: {by_point}"
+            )
+        stock = of_case["stock"]
+        if "limit_exposed_ms" in stock:
+            gaps = ", ".join(f"{rule} {of_case[rule]['gap_closed']:.2f}" for rule in RULES if rule in of_case)
+            print(
+                f"limit: exposed {stock['limit_exposed_ms']:.1f} ms, {stock['limit_fraction']:.2f} of stock's; the gap "
+                f"between stock's exposure and the limit closed: {gaps}"
+            )
 
 
 def _rows_by_key(rows: Sequence[dict]) -> dict:
@@ -544,28 +798,36 @@ def _per_point(rows: dict, variant: str, points, metric: str, over: str | None =
 
 
 def summary_rows(rows: dict) -> list[SummaryRow]:
-    """One row per library and engine variant: the headline is the exposed communication at the headline point
-    (``_common.headline_point``) as a fraction of stock's there; the ratio column the step time over stock's there.
-    The notes: per point, the exposed fraction and the step over stock's; the peak activations over stock's; the
-    aims."""
+    """One row per library, shape and engine variant: the headline is the exposed communication at the headline
+    point (``_common.headline_point``) as a fraction of stock's there; the ratio column the step time over stock's
+    there. The notes: per point, the exposed fraction and the step over stock's; the peak activations over
+    stock's; the aims. Where compute_overlapped was timed at every point (a full run): stock's notes add the limit
+    (``exposure_limit``), each rule's the fraction of the gap to it closed (``gap_closed``)."""
     summary = []
-    for library in dict.fromkeys(case.rpartition(" x")[0] for case in csv_cases(rows, "exposed_ms")):
-        points = [(r, case) for r, case in sweep_cases(rows, "stock", "exposed_ms") if case.startswith(library + " x")]
+    for prefix in dict.fromkeys(case.rpartition(" x")[0] for case in csv_cases(rows, "exposed_ms")):
+        library, shape = _split_case_prefix(prefix)
+        points = [
+            (r, case) for r, case in sweep_cases(rows, "stock", "exposed_ms") if case.rpartition(" x")[0] == prefix
+        ]
         link = rows[("stock", points[0][1], "step_ms")]["size"].rpartition(", ")[2]
-        t_comm = rows.get(("comm", library, "t_comm_ms"))
+        t_comm = rows.get(("comm", prefix, "t_comm_ms"))
         headline_ratio, headline = headline_point(points)
         at_headline = points.index((headline_ratio, headline))
         lane_fractions = _per_point(rows, "lane", points, "exposed_ms")
         overlap_fractions = _per_point(rows, "overlap", points, "exposed_ms")
+        stock_exposed_ms = _per_point(rows, "stock", points, "exposed_ms", over=None)
+        limits = [exposure_limit(rows, case) for _, case in points]
+        has_limit = all(limit is not None for limit in limits)
         # What "one more microbatch's activations" allows: stock's peak and one microbatch's, over stock's peak.
         one_more = (
             1
             + rows[("stock", headline, "one_microbatch_mib")]["median"]
             / rows[("stock", headline, "saved_peak_mib")]["median"]
         )
+        shape_title = "" if shape is PRE_PATH else f", {shape.title}"
         for variant in ENGINE_VARIANTS:
             if (variant, points[0][1], "exposed_ms") not in rows:
-                continue  # a CSV from before the variant was measured
+                continue  # a CSV from before the variant was measured, or a quick run's
             fractions = _per_point(rows, variant, points, "exposed_ms")
             steps = _per_point(rows, variant, points, "step_ms")
             memory = _per_point(rows, variant, points, "saved_peak_mib")
@@ -588,6 +850,7 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
             per_point = ", ".join(
                 f"x{ratio:g}: {f:.2f}/{s:.2f}" for (ratio, _), f, s in zip(points, fractions, steps, strict=True)
             )
+            measured = f"exposed {values['exposed_fraction']:.2f} of stock's"
             notes = (
                 f"headline at x{headline_ratio:g}; exposed/stock's and step/stock by dense/comm ratio {per_point}; "
                 f"exposed {values['exposed_ms']:.1f} ms, of which CPU time above the compute step's "
@@ -607,15 +870,40 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
             if variant == "turns":
                 below_overlap = sum(f < o for f, o in zip(fractions, overlap_fractions, strict=True))
                 notes += f"; below the overlap's exposed at {below_overlap}/{len(points)} points"
+            if has_limit and variant == "stock":
+                limit = limits[at_headline]
+                limit_fractions = [lim.exposed_ms / s for lim, s in zip(limits, stock_exposed_ms, strict=True)]
+                values["limit_exposed_ms"] = limit.exposed_ms
+                values["limit_fraction"] = limit_fractions[at_headline]
+                values.update(
+                    {f"limit_fraction x{ratio:g}": f for (ratio, _), f in zip(points, limit_fractions, strict=True)}
+                )
+                notes += (
+                    f"; limit of an overlapped order {limit.exposed_ms:.1f} ms, {values['limit_fraction']:.2f} of "
+                    f"stock's exposed = max(edges {limit.edges_ms:.1f} + two threads {limit.two_threads_ms:.1f}, "
+                    f"link {limit.link_ms:.1f} - compute {limit.compute_ms:.1f}), by ratio "
+                    + ", ".join(f"x{ratio:g}: {f:.2f}" for (ratio, _), f in zip(points, limit_fractions, strict=True))
+                )
+            if has_limit and variant in RULES:
+                gaps = [
+                    gap_closed(s, e, lim.exposed_ms)
+                    for s, e, lim in zip(stock_exposed_ms, exposed_ms, limits, strict=True)
+                ]
+                values["gap_closed"] = gaps[at_headline]
+                values.update({f"gap_closed x{ratio:g}": g for (ratio, _), g in zip(points, gaps, strict=True)})
+                measured += f", {values['gap_closed']:.2f} of the gap to the limit closed"
+                notes += "; gap to the limit closed by ratio " + ", ".join(
+                    f"x{ratio:g}: {g:.2f}" for (ratio, _), g in zip(points, gaps, strict=True)
+                )
             if variant == "stock" and t_comm is not None:
                 notes += f"; T_comm {t_comm['median']:.3g} ms a microbatch" + load_note(rows, NAME)
             summary.append(
                 SummaryRow(
                     NAME,
-                    f"{LIBRARY_NAMES.get(library, library)}, {N_MICROBATCHES} microbatches, {link}",
+                    f"{LIBRARY_NAMES.get(library, library)}{shape_title}, {N_MICROBATCHES} microbatches, {link}",
                     variant,
                     "stock",
-                    f"exposed {values['exposed_fraction']:.2f} of stock's",
+                    measured,
                     f"{values['ratio']:.2f}",
                     notes,
                     values,
@@ -625,15 +913,29 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
 
 
 def plot(rows: Sequence[SummaryRow], figure) -> None:
-    """Per case: exposed communication over stock's, and step time over stock's, against dense / comm."""
+    """Per case: exposed communication over stock's (and the limit's, where measured), and step time over stock's,
+    against dense / comm."""
     cases = list(dict.fromkeys(r.case for r in rows))
     axes = figure.subplots(len(cases), 2, squeeze=False)
     for (exposed_ax, step_ax), case in zip(axes, cases, strict=True):
+        of_case = [r for r in rows if r.case == case]
+        # The limit of an overlapped order, where a full run measured it (stock's values carry it).
+        limit = sorted(
+            (float(name.removeprefix("limit_fraction x")), value)
+            for row in of_case
+            if row.variant == "stock"
+            for name, value in row.values.items()
+            if name.startswith("limit_fraction x")
+        )
+        if limit:
+            exposed_ax.plot(
+                [r for r, _ in limit], [v for _, v in limit], color="black", linestyle=":", marker="x", label="limit"
+            )
         for ax, key, ylabel in (
             (exposed_ax, "exposed_fraction x", "exposed communication / stock's"),
             (step_ax, "step_ratio x", "step time / stock's"),
         ):
-            for row in (r for r in rows if r.case == case):
+            for row in of_case:
                 curve = sorted(
                     (float(name.removeprefix(key)), value) for name, value in row.values.items() if name.startswith(key)
                 )
@@ -641,7 +943,8 @@ def plot(rows: Sequence[SummaryRow], figure) -> None:
             ax.axhline(1.0, color="grey", linewidth=0.6)
             ax.set_xlabel("dense backward / T_comm (a microbatch)")
             ax.set_ylabel(ylabel)
-            ax.set_title(case.replace(", ", "\n", 1), fontsize=8)
+            # A line each for the library and the shape, the rest on the last.
+            ax.set_title(case.replace(", ", "\n", max(1, case.count(", ") - 1)), fontsize=8)
             ax.legend(fontsize=8)
         exposed_ax.axhline(AIM_EXPOSED_FRACTION, color="black", linewidth=0.8, linestyle="--")
         step_ax.axhline(AIM_STEP_RATIO, color="black", linewidth=0.8, linestyle="--")

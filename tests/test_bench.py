@@ -869,3 +869,127 @@ def test_order_check_scale_summary_from_a_csv(tmp_path):
     assert ep_dp.ratio == "2.05" and "aim <= 2" in ep_dp.notes
     assert "bytes per backward 16 at 8 ranks, 16 at 8,192" in ep.notes
     assert ep_dp.values["begin_us_1024"] == 2100 and ep_dp.values["bytes_8192"] == 16
+
+
+def microbatch_overlap_sweep_rows(link: str) -> list[tuple]:
+    """benchmarks/microbatch_overlap.py's CSV, in the order it writes its shapes: a quick run's pre-path shape at one
+    point (no turns, no compute_overlapped, so no limit), then a full run's dispatch-first shape at two (T_comm 70
+    ms: the link's time for a step's bytes is 8 x 70 = 560 ms)."""
+    size = f"1024 tokens x 256d a microbatch, 7 dense layers, {link}"
+    rows = [
+        ("comm", "megatron", f"1024 tokens x 256d a microbatch, {link}", "t_comm_ms", 33, 32, 35),
+        ("compute", "megatron x1", size, "step_ms", 560, 560, 560),
+        ("stock", "megatron x1", size, "one_microbatch_mib", 7, 7, 7),
+    ]
+    for variant, exposed in (("stock", 320), ("lane", 230), ("overlap", 140)):
+        rows += [
+            (variant, "megatron x1", size, "step_ms", 560 + exposed, 560 + exposed, 560 + exposed),
+            (variant, "megatron x1", size, "exposed_ms", exposed, exposed, exposed),
+            (variant, "megatron x1", size, "saved_peak_mib", 7, 7, 7),
+        ]
+    rows.append(
+        ("comm", "megatron dispatch-first", f"1024 tokens x 256d a microbatch, {link}", "t_comm_ms", 70, 68, 72)
+    )
+    # Per point: the compute step, what two threads added to it, and each variant's (step, exposed, forward exposed,
+    # backward exposed).
+    points = {
+        0.5: (480, 10, {"stock": (1080, 600, 240, 320), "lane": (960, 480, 248, 160)}),
+        1: (900, 38, {"stock": (1520, 620, 256, 336), "lane": (1360, 460, 264, 144)}),
+    }
+    rules = {0.5: {"overlap": 300, "turns": 260}, 1: {"overlap": 250, "turns": 200}}
+    for ratio, (compute, added, phased) in points.items():
+        case = f"megatron dispatch-first x{ratio:g}"
+        size = f"1024 tokens x 256d a microbatch, {int(20 * ratio)} dense layers, {link}"
+        rows += [
+            ("compute", case, size, "step_ms", compute, compute, compute),
+            ("compute_overlapped", case, size, "step_ms", compute + added, compute + added, compute + added),
+            ("compute_overlapped", case, size, "added_ms", added, added, added),
+            ("stock", case, size, "one_microbatch_mib", 8, 8, 8),
+        ]
+        for variant, (step, exposed, forward, backward) in phased.items():
+            rows += [
+                (variant, case, size, "step_ms", step, step, step),
+                (variant, case, size, "exposed_ms", exposed, exposed, exposed),
+                (variant, case, size, "forward_exposed_ms", forward, forward, forward),
+                (variant, case, size, "backward_exposed_ms", backward, backward, backward),
+                (variant, case, size, "saved_peak_mib", 8, 8, 8),
+            ]
+        for variant, exposed in rules[ratio].items():
+            rows += [
+                (variant, case, size, "step_ms", compute + exposed, compute + exposed, compute + exposed),
+                (variant, case, size, "exposed_ms", exposed, exposed, exposed),
+                (variant, case, size, "saved_peak_mib", 9, 9, 9),
+            ]
+    return rows
+
+
+def test_microbatch_overlap_summary_reads_each_rule_against_the_limit(tmp_path):
+    link = "2 hosts over a veth shaped to 1gbit"
+    write_rows(tmp_path / "microbatch_overlap.csv", microbatch_overlap_sweep_rows(link))
+    rows = bench.summarize_folder(tmp_path, ["microbatch_overlap"])
+    # One group of rows per (library, shape), the pre-path shape's named as before dispatch-first existed.
+    pre_path = {row.variant: row for row in rows if row.case == f"Megatron-core, 8 microbatches, {link}"}
+    first = {
+        row.variant: row
+        for row in rows
+        if row.case == f"Megatron-core, dispatch-first, 2 MoE layers, 8 microbatches, {link}"
+    }
+    assert list(pre_path) == ["stock", "lane", "overlap"] and len(rows) == 7
+    assert list(first) == ["stock", "lane", "overlap", "turns"]
+    # A quick run timed no compute_overlapped: no limit, no gap.
+    assert "limit_exposed_ms" not in pre_path["stock"].values and "gap_closed" not in pre_path["overlap"].values
+    assert pre_path["overlap"].measured == "exposed 0.44 of stock's"
+
+    stock = first["stock"]
+    # x1, the headline: the edges, one microbatch's forward and backward exposure (the lesser of stock's and the
+    # lane's, over 8 microbatches), (256 + 144) / 8 = 50 ms, and two threads' 38 ms, above the link's 560 ms less
+    # the 900 ms compute step.
+    assert stock.values["limit_exposed_ms"] == pytest.approx(88)
+    assert stock.values["limit_fraction"] == pytest.approx(88 / 620)
+    assert "edges 50.0 + two threads 38.0, link 560.0 - compute 900.0" in stock.notes
+    # x0.5: the link, 560 - 480 = 80 ms, above the edges' (240 + 160) / 8 + 10 = 60 ms.
+    assert stock.values["limit_fraction x0.5"] == pytest.approx(80 / 600)
+    # Each rule: the fraction of the gap between stock's exposure and the limit it closes.
+    overlap = first["overlap"]
+    assert overlap.values["gap_closed"] == pytest.approx((620 - 250) / (620 - 88))
+    assert overlap.values["gap_closed x0.5"] == pytest.approx((600 - 300) / (600 - 80))
+    assert overlap.measured == "exposed 0.40 of stock's, 0.70 of the gap to the limit closed"
+    assert first["turns"].values["gap_closed"] == pytest.approx((620 - 200) / (620 - 88))
+    assert first["lane"].values["gap_closed"] == pytest.approx((620 - 460) / (620 - 88))
+    assert "gap to the limit closed by ratio x0.5: 0.58, x1: 0.70" in overlap.notes
+
+    from matplotlib.figure import Figure
+
+    figure = Figure()
+    bench.benchmark_module("microbatch_overlap").plot(rows, figure)
+    # dispatch-first's exposure plot (its second row) draws the limit; pre-path's, from a quick run, has none.
+    assert "limit" not in {line.get_label() for line in figure.axes[0].get_lines()}
+    limit = {line.get_label(): line for line in figure.axes[2].get_lines()}["limit"]
+    assert list(limit.get_xdata()) == [0.5, 1] and list(limit.get_ydata()) == pytest.approx([80 / 600, 88 / 620])
+
+
+def test_microbatch_overlaps_compute_variants_make_no_collective(monkeypatch):
+    # No process group: any c10d collective, the overlap's own included, would raise. compute_overlapped (the
+    # limit's two threads) must time compute alone, and give the serial compute step's gradients.
+    monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
+    import microbatch_overlap
+
+    assert not dist.is_initialized()
+
+    def refused(group, tokens):
+        raise AssertionError("a compute variant called the all_to_all")
+
+    class Undeclared(torch.autograd.Function):
+        pass
+
+    batches = [torch.randn(64, microbatch_overlap.DIM) for _ in range(microbatch_overlap.N_MICROBATCHES)]
+    for shape in microbatch_overlap.SHAPES:
+        model = shape.build(refused, 3)
+        grads = {}
+        for variant in microbatch_overlap.COMPUTE_VARIANTS:
+            model.zero_grad(set_to_none=True)
+            with microbatch_overlap.variant_engine(variant, Undeclared):
+                microbatch_overlap._accumulate(model, batches, variant)
+            grads[variant] = [p.grad for p in model.parameters()]
+        assert all(g is not None for g in grads["compute"])
+        assert all(torch.equal(a, b) for a, b in zip(grads["compute"], grads["compute_overlapped"], strict=True))
