@@ -14,8 +14,7 @@ void CollectiveLanes::dispatch(
     c10::intrusive_ptr<torch::autograd::Node> fn,
     torch::autograd::variable_list&& inputs,
     CallerThreadState state,
-    std::function<void()> before_apply,
-    std::function<void()> after_apply) {
+    PlannedCollective planned) {
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     shared_->queues[group].push_back(
@@ -24,8 +23,7 @@ void CollectiveLanes::dispatch(
             std::move(fn),
             std::move(inputs),
             std::move(state),
-            std::move(before_apply),
-            std::move(after_apply)});
+            std::move(planned)});
   }
   ++in_flight_;
   if (lanes_.find(group) == lanes_.end()) {
@@ -54,14 +52,10 @@ void CollectiveLanes::lane_main(
     lock.unlock();
     Finished finished{work.slot, {}, nullptr};
     try {
-      if (work.before_apply) {
-        work.before_apply();
-      }
+      PlannedCollectiveStart start(work.planned);
       const CallerThreadStateGuard state(work.state);
       finished.outputs = (*work.fn)(std::move(work.inputs));
-      if (work.after_apply) {
-        work.after_apply();
-      }
+      start.started();
     } catch (...) {
       finished.error = std::current_exception();
     }

@@ -13,18 +13,19 @@
 // node's. The collective releases the GIL while it waits, and the dense nodes
 // are C++, so both proceed on CPU. On an accelerator the node's collective
 // does not block the thread but the stream it is issued on: there the lane
-// is a side stream instead (BackwardCall::move_to_side_stream), and no
+// is a side stream instead (CollectiveSequence::move_to_side_stream), and no
 // thread is involved.
 //
 // A lane runs its group's nodes one at a time, in the order they were handed
 // to it. Which order that is, across the lanes and the collectives the engine
-// issues itself, is the run loop's business (BackwardCall's collective
-// sequence): the same on every rank.
+// issues itself, is the run loop's business (engine/run/collective_sequence.h):
+// the same on every rank.
 //
 // Lanes live as long as their call: they start on the first node handed to
 // them and are joined when the call ends, however it ends.
 
 #include "engine/caller_thread_state.h"
+#include "engine/planned_collective_start.h"
 
 #include <torch/csrc/autograd/function.h>
 
@@ -59,20 +60,18 @@ class CollectiveLanes {
   // Runs `fn`'s apply() on `inputs` on the lane of `group` (started on first
   // use), after the nodes handed to that lane before it, under the engine
   // thread's state `state` (grad mode, dispatch keys, profiler; the intra-op
-  // thread counts and the floating-point controls).
-  // `before_apply`, when given, runs on the lane first; what it throws is the
-  // node's error (the collective order check's mismatch: awaited where the
-  // lane would block in the collective anyway, not on the engine thread).
-  // `after_apply`, when given, runs on the lane once apply() returned
-  // without error, before the engine thread hears of it.
+  // thread counts and the floating-point controls), as the start of
+  // `planned` (engine/planned_collective_start.h): the collective order
+  // check's mismatch and the overlap's refusal of its turn are the node's
+  // error, raised on the lane, where it would block in the collective anyway,
+  // not on the engine thread.
   void dispatch(
       uintptr_t group,
       int32_t slot,
       c10::intrusive_ptr<torch::autograd::Node> fn,
       torch::autograd::variable_list&& inputs,
       CallerThreadState state,
-      std::function<void()> before_apply = nullptr,
-      std::function<void()> after_apply = nullptr);
+      PlannedCollective planned);
 
   // Whether any node handed over has not been taken back by take_finished.
   bool busy() const {
@@ -99,8 +98,7 @@ class CollectiveLanes {
     c10::intrusive_ptr<torch::autograd::Node> fn;
     torch::autograd::variable_list inputs;
     CallerThreadState state;
-    std::function<void()> before_apply;
-    std::function<void()> after_apply;
+    PlannedCollective planned;
   };
   // What the engine thread and the lanes share. Held by shared_ptr, so a lane
   // detached after an interrupt outlives the call safely.

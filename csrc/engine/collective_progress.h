@@ -71,9 +71,8 @@ inline IssuingLaneNode* issuing_lane_node() {
   return detail::issuing_lane_node.get();
 }
 
-// Marks `node` as the lane node this thread runs (null: none). Shared: a node
-// whose apply() raised is left marked until the lane's next node, which
-// replaces it (a lane runs only its call's nodes).
+// Marks `node` as the lane node this thread runs (null: none), for the scope
+// of its start (PlannedCollectiveStart, engine/planned_collective_start.h).
 inline void set_issuing_lane_node(std::shared_ptr<IssuingLaneNode> node) {
   detail::issuing_lane_node = std::move(node);
 }
@@ -95,13 +94,9 @@ inline bool starting_planned_collective() {
   return detail::starting_planned_collective > 0;
 }
 
-// Marks this thread, for the rest of its life, as starting only planned
-// collectives: a lane of a reporting call, which runs nothing else.
-inline void start_only_planned_collectives_on_this_thread() {
-  detail::starting_planned_collective = 1;
-}
-
-// Marks this thread as starting a planned collective for a scope.
+// Marks this thread as starting a planned collective for a scope: the
+// collective order check's exchange, and each planned collective's start
+// (PlannedCollectiveStart).
 class StartingPlannedCollective {
  public:
   explicit StartingPlannedCollective(bool active = true) : active_(active) {

@@ -4,8 +4,9 @@
 // (torch_ext.trace() in Python).
 //
 // Off by default. Each backward call checks once, when it starts, whether
-// tracing is on (one relaxed atomic load); when it is off the call holds no
-// CallTrace and every hook in the executor is a null-pointer test. When on,
+// tracing is on (one relaxed atomic load); when it is off the call's
+// CallTracing holds no CallTrace and every hook in the executor is a
+// null-pointer test. When on,
 // the call records into its own CallTrace, touched only by the thread running
 // the call (every node of a call runs on one thread, see docs/design.md,
 // "The host-task pattern"), so
@@ -18,6 +19,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -132,6 +134,55 @@ class EndOnExit {
  private:
   CallTrace* trace_;
   int32_t index_;
+};
+
+// What one call holds of tracing, by value: its recorder, made when the call
+// starts if tracing is on then, and the event of the node it runs now.
+class CallTracing {
+ public:
+  // Ends the call's span and hands its events to the recorder when it goes
+  // out of scope, on error paths too.
+  class Span {
+   public:
+    explicit Span(CallTrace* trace) : trace_(trace) {}
+    ~Span() {
+      if (trace_ != nullptr) {
+        trace_->finish();
+      }
+    }
+    Span(const Span&) = delete;
+    Span& operator=(const Span&) = delete;
+
+   private:
+    CallTrace* trace_;
+  };
+
+  // What the call's span is called, in place of start()'s default (split
+  // backward's passes name theirs).
+  void set_label(const char* label) {
+    label_ = label;
+  }
+  // Starts recording the call if tracing is on now; the span lasts as long
+  // as what this returns.
+  [[nodiscard]] Span start(const char* default_label) {
+    if (enabled()) {
+      recorder_ = std::make_unique<CallTrace>(
+          label_ != nullptr ? label_ : default_label);
+    }
+    return Span(recorder_.get());
+  }
+  // The call's recorder, or null: the call is not traced.
+  CallTrace* recorder() const {
+    return recorder_.get();
+  }
+
+  // While tracing: the event of the node running now (a collective it
+  // launches marks it; deferred_waits.cpp).
+  int32_t running_node_event = kNoEvent;
+
+ private:
+  const char* label_ = nullptr;
+  std::unique_ptr<CallTrace> recorder_;
 };
 
 // A node's sequence_nr as traced: -1 for "none" (UINT64_MAX).

@@ -135,7 +135,7 @@ struct NodeSlot {
   // CollectiveFlags.
   bool collective = false;
   // A collective whose backward hands its result over in flight
-  // (BackwardCall::defer_wait_to_first_use): torch_ext's own ops.
+  // (defer_wait_to_first_use, run/running_node.h): torch_ext's own ops.
   bool defers_wait = false;
   // A synchronous collective declared to run beside the rest: the call hands
   // its apply() to the lane of its process group (collective_lane.h).
@@ -145,7 +145,8 @@ struct NodeSlot {
   // of its priority.
   bool collective_wait = false;
   // A gradient delivered to this node is a collective's result still in
-  // flight (BackwardCall::defer_wait_to_first_use); wait before reading it.
+  // flight (defer_wait_to_first_use, run/running_node.h); wait before reading
+  // it.
   bool has_pending_wait = false;
   // Index into GraphPlan::captures of the first capture on this node, or
   // kNoSlot. Captures of one node are contiguous.
@@ -161,8 +162,8 @@ struct NodeSlot {
     runs_in_lane = flags.runs_in_lane;
     collective_wait = flags.collective_wait;
   }
-  // Index of what a split pass keeps of this node (BackwardCall's kept
-  // nodes), or kNoSlot.
+  // Index of what a split pass keeps of this node (SplitPassContext::kept),
+  // or kNoSlot.
   int32_t kept = kNoSlot;
   // Left out of the host task's exec_info although it runs: its gradients
   // came complete from an earlier pass, and no node may recompute them

@@ -131,7 +131,7 @@ bool hands_result_in_flight(const GraphPlan& plan, const Node& fn) {
 
 std::vector<int32_t> planned_run_slots(const GraphPlan& plan) {
   // A delivery from a node that hands its result over in flight makes its
-  // target read that result in flight (BackwardCall::note_pending_delivery).
+  // target read that result in flight (DeferredWaits::note_delivery).
   std::vector<char> receives_in_flight(plan.slots.size(), 0);
   for (size_t s = 0; s < plan.slots.size(); ++s) {
     const NodeSlot& slot = plan.slots[s];

@@ -28,11 +28,11 @@ void order_deliveries_as_stock(GraphPlan& plan, bool every_slot_runs);
 // Whether a collective node `fn` of `plan` that can defer its wait
 // (NodeSlot::defers_wait) hands its result over in flight when it runs,
 // rather than waiting inside its own node: the one rule the executor
-// (BackwardCall::defer_wait_to_first_use) and the replay below both follow.
-// It waits inside when its post hooks would read the result, when anomaly
-// mode checks outputs for NaN (a result in flight cannot be read), and when
-// stock's delivery order is unknown (waiting later reorders the nodes after
-// it, whose sums could change).
+// (defer_wait_to_first_use, run/running_node.h) and the replay below both
+// follow. It waits inside when its post hooks would read the result, when
+// anomaly mode checks outputs for NaN (a result in flight cannot be read), and
+// when stock's delivery order is unknown (waiting later reorders the nodes
+// after it, whose sums could change).
 bool hands_result_in_flight(const GraphPlan& plan, const Node& fn);
 
 // The nodes torch_ext runs for `plan`, in the order it runs them: each
@@ -41,7 +41,7 @@ bool hands_result_in_flight(const GraphPlan& plan, const Node& fn);
 // alone, nothing run.
 std::vector<Node*> planned_run_order(const GraphPlan& plan);
 // The same order, as the plan's slots: what fixes the order of a call's
-// collectives on every rank (BackwardCall's collective sequence).
+// collectives on every rank (run/collective_sequence.h).
 std::vector<int32_t> planned_run_slots(const GraphPlan& plan);
 
 } // namespace torch_ext

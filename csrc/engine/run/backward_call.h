@@ -4,26 +4,31 @@
 // results. It lives for the duration of the call only, so nested calls (a
 // backward inside a node, reentrant checkpoint) and calls from other threads
 // never share state. Included only by the run layer's own files: what starts
-// a call uses run_call.h, the bindings running_node.h. Its parts live beside
-// it: bit-stable delivery (ordered_delivery.h), the collective sequence and
-// lanes (collective_sequence.h, made only for a call that uses them), what
-// split backward's passes give it (deferred_accumulation.h, KeptNode).
+// a call uses run_call.h, the bindings running_node.h. Its features are
+// objects it holds by value, each beside it, with a default that costs an
+// ordinary call a test of a bool or a null pointer: bit-stable delivery
+// (ordered_delivery.h), the collective sequence and lanes
+// (collective_sequence.h), the collective results in flight
+// (deferred_waits.h), what split backward's passes give it
+// (split_pass_context.h) and its trace (trace.h's CallTracing). Those that
+// must clean up when the call fails register in one list (call_feature.h).
 
 #include "engine/call_options.h"
-#include "engine/collective_progress.h"
 #include "engine/host/host_task.h"
 #include "engine/host_callbacks.h"
 #include "engine/plan/graph_plan.h"
 #include "engine/plan/scheduler.h"
+#include "engine/run/call_feature.h"
+#include "engine/run/collective_sequence.h"
+#include "engine/run/deferred_waits.h"
 #include "engine/run/ordered_delivery.h"
+#include "engine/run/split_pass_context.h"
 #include "engine/trace.h"
 
 #include <c10/core/AutogradState.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include <exception>
-#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -31,9 +36,8 @@
 
 namespace torch_ext {
 
-class DeferredAccumulation;
-struct CollectiveSequence;
 struct RunningNode;
+struct SplitPass;
 
 class BackwardCall final : public HostedRun {
  public:
@@ -47,33 +51,10 @@ class BackwardCall final : public HostedRun {
   BackwardCall& operator=(const BackwardCall&) = delete;
   ~BackwardCall();
 
-  // Runs `plan` in place of discovering one from the roots: split
-  // backward's passes, which rewrite a discovered plan (split_backward.cpp).
-  // Its root edges are this call's roots.
-  void use_plan(GraphPlan&& plan) {
-    plan_ = std::move(plan);
-    has_plan_ = true;
-  }
-  // Where the plan's kept indices point (NodeSlot::kept): what one pass of
-  // split backward keeps for the next, and the next resumes. Outlives the
-  // call.
-  void set_kept_nodes(std::vector<KeptNode>* kept) {
-    kept_ = kept;
-  }
-  // The weight pass's batch of unobserved accumulations, for a plan with
-  // batches_accumulation; flushed as the host task's first final callback.
-  void set_accumulation_batch(DeferredAccumulation* batch) {
-    batch_ = batch;
-  }
-  // The streams the root gradients were produced on, when not the caller's
-  // current ones now (a pass resuming gradients kept since an earlier one).
-  void set_root_streams(std::vector<std::optional<c10::Stream>> streams) {
-    root_streams_ = std::move(streams);
-  }
-  // What the call's span is called in a trace.
-  void set_trace_label(const char* label) {
-    trace_label_ = label;
-  }
+  // Runs as a pass of split backward (run_call.h): `pass`'s plan, a rewrite
+  // of a discovered plan whose root edges are this call's roots, in place of
+  // discovering one from the roots, and what else the pass gives.
+  void run_as_split_pass(SplitPass& pass);
 
   // Discovers the graph and runs every node that must run, on the calling
   // thread. Must be called inside a stock graph task (the host task), from
@@ -121,54 +102,18 @@ class BackwardCall final : public HostedRun {
       int32_t slot,
       const variable_list& seen,
       const std::optional<c10::Stream>& node_stream);
-  // The run loop of a plan with lane nodes (collective_sequence.cpp): as
-  // run()'s, but a node of the collective sequence starts only in its turn,
-  // lane nodes go to their lanes, and what the lanes finish is delivered as it
-  // finishes.
+  // The run loop of a call whose collectives take turns
+  // (CollectiveSequence::takes_turns; collective_sequence.cpp): as run()'s,
+  // but a node of the collective sequence starts only in its turn, lane nodes
+  // go to their lanes, and what the lanes finish is delivered as it finishes.
   template <bool kTraced>
   void run_in_sequence();
-  // Whether this call runs its collectives in sequence (run_in_sequence): to
-  // hand lane nodes to lanes, or for the collective order check. Not in
-  // split backward's passes, whose kept and resumed nodes the sequence does
-  // not replay.
-  bool runs_collective_sequence() const {
-    return (plan_.has_lanes ||
-            (plan_.has_collectives &&
-             host_callbacks().collective_check_enabled())) &&
-        plan_.seeds_roots && !plan_.resumes_kept_nodes && kept_ == nullptr &&
-        batch_ == nullptr;
-  }
-  // The collective sequence: every node that issues a collective (a launch,
-  // in a lane or not) in the order the plan runs them, the same on every
-  // rank with the same graph and priorities. One starts only when every one
-  // before it has; one the engine runs itself also waits for the lanes to
-  // be idle, so no collective it knows of is issued beside a lane's.
-  void build_collective_sequence();
-  // The nodes that issue a collective (a launch, in a lane or not), in the
-  // order the plan runs them: the same on every rank with the same graph and
-  // priorities.
-  std::vector<int32_t> planned_collectives() const;
-  // Begins the collective order check of `in_order` (planned_collectives)
-  // when it is on (order_check_).
-  void begin_order_check(const std::vector<int32_t>& in_order);
-  bool may_start(int32_t slot) const;
-  // Makes the parked nodes whose turn has come ready again.
-  void unpark();
   // A lane node on CPU (collective_sequence.cpp): its hooks before apply() run
-  // here, apply() on its group's lane; finish_lane_node does the rest when
-  // the lane returns (validate_outputs, post hooks, release, delivery).
-  bool runs_in_lane(int32_t slot) const;
+  // here, apply() on its group's lane (CollectiveSequence::dispatch_to_lane);
+  // finish_lane_node does the rest when the lane returns (validate_outputs,
+  // post hooks, release, delivery).
   void dispatch_to_lane(int32_t slot);
-  void finish_lane_node(
-      int32_t slot,
-      variable_list&& outputs,
-      std::exception_ptr error);
-  // A lane node on an accelerator (execute_node): the side stream of
-  // `node_stream`'s device that it runs on instead, made to wait for what
-  // that stream has queued; `inputs` are recorded as used on it.
-  c10::Stream move_to_side_stream(
-      const c10::Stream& node_stream,
-      const variable_list& inputs);
+  void finish_lane_node(CollectiveSequence::FinishedLaneNode&& finished);
   // Routes a node's outputs along its next edges (NaN check in anomaly mode);
   // an AccumulateGrad's empty outputs mark its stream a leaf stream.
   void deliver_outputs(
@@ -176,8 +121,9 @@ class BackwardCall final : public HostedRun {
       variable_list& outputs,
       const std::optional<c10::Stream>& node_stream);
   // Executes one ready node (node_executor.cpp).
-  // `kTraced`: record it in trace_. Two instantiations, so that a call that
-  // is not traced runs exactly the code it ran before tracing existed.
+  // `kTraced`: record it in tracing_'s recorder. Two instantiations, so that
+  // a call that is not traced runs exactly the code it ran before tracing
+  // existed.
   template <bool kTraced>
   void execute_node(int32_t slot);
   // Delivers `grad` along edge id `edge` (or kNoEdge) to input `input_nr`
@@ -250,21 +196,6 @@ class BackwardCall final : public HostedRun {
     c10::AutogradState::set_tls_state(task_autograd_state_);
     c10::impl::_force_tls_local_dispatch_key_set(task_dispatch_keys_);
   }
-  // Marks `target` as receiving a pending result if `grad` is one.
-  void note_pending_delivery(int32_t target, const at::Tensor& grad);
-  // Waits on the pending results delivered to `slot` (or, with kNoSlot, on
-  // every one still pending) and forgets them.
-  void wait_pending(int32_t slot);
-  // Error path: waits on everything still in flight, keeping the first error.
-  void wait_pending_after_error() noexcept;
-
-  struct PendingWait;
-  // Waits on a pending result, recording the wait while tracing: `consumer`
-  // is the slot that reads it, or kNoSlot (the end of the call, or `why`).
-  void wait_traced(
-      const PendingWait& pending,
-      int32_t consumer,
-      const char* why);
 
   edge_list roots_;
   variable_list root_grads_;
@@ -294,15 +225,6 @@ class BackwardCall final : public HostedRun {
   c10::AutogradState task_autograd_state_ = c10::AutogradState::get_tls_state();
   c10::impl::LocalDispatchKeySet task_dispatch_keys_ =
       c10::impl::tls_local_dispatch_key_set();
-  // Collective results in flight (defer_wait_to_first_use), with the slot
-  // each was delivered to (kNoSlot until delivered). A handful per call.
-  struct PendingWait {
-    at::Tensor result;
-    int32_t slot = kNoSlot;
-    // While tracing: the event of the node that launched it.
-    int32_t launch_event = trace::kNoEvent;
-  };
-  std::vector<PendingWait> pending_waits_;
   // Bit-stable accumulation (ordered_delivery.h).
   OrderedDelivery ordered_delivery_;
   Node* failed_node_ = nullptr;
@@ -312,37 +234,16 @@ class BackwardCall final : public HostedRun {
   // The host graph task's node set: identifies the host task while it is
   // current (a backward nested inside a node makes its own task current).
   const std::unordered_set<Node*>* host_nodes_in_graph_ = nullptr;
-  // Whether plan_ was given (use_plan) rather than discovered by run().
-  bool has_plan_ = false;
-  // Set for the passes of split backward only.
-  std::vector<KeptNode>* kept_ = nullptr;
-  DeferredAccumulation* batch_ = nullptr;
-  // What the call's span is called in a trace.
-  const char* trace_label_ = nullptr;
-  // Non-null only while tracing was on when the call started: the executor's
-  // hooks test this pointer and do nothing else when tracing is off.
-  std::unique_ptr<trace::CallTrace> trace_;
-  // While tracing: the event of the node running now (its launches).
-  int32_t running_node_event_ = trace::kNoEvent;
-
-  // While a call runs its collectives in sequence (run_in_sequence): the
-  // lanes and each collective's turn (collective_sequence.h).
-  std::unique_ptr<CollectiveSequence> sequence_;
-  // The collective order check of this call, when it is on: begun with the
-  // collective sequence, awaited before each collective starts (its group's
-  // verdict; shared with the lanes, which start theirs), before the first
-  // hook runs and before the call returns (every verdict).
-  std::shared_ptr<CollectiveOrderCheck> order_check_;
-  // Where this call reports the collectives it starts, when it runs beside
-  // the next microbatch's forward (collective_progress.h); taken from the
-  // calling thread by the constructor, so a nested call has none.
-  std::shared_ptr<CollectiveProgress> progress_;
-  // Whether this thread has seen every group agree (the engine thread asks no
-  // more after that).
-  bool order_check_passed_ = false;
-  // Awaits the order check's verdict if `slot` starts a collective on this
-  // thread or has a hook; the run loops call it until it has passed.
-  void await_order_check_before(int32_t slot);
+  // The call's features (see the top of this file), declared after the
+  // members the last two hold references to (plan_, has_accelerator_,
+  // tracing_).
+  SplitPassContext split_pass_;
+  trace::CallTracing tracing_;
+  // What the features that must clean up after a failure registered, run
+  // by run()'s error path in that order.
+  FailureCleanups failure_cleanups_;
+  CollectiveSequence sequence_{plan_, has_accelerator_};
+  DeferredWaits deferred_waits_{plan_, tracing_};
 };
 
 } // namespace torch_ext

@@ -1,16 +1,15 @@
-// Deferred collective waits: a collective's backward formula hands its
-// result, still in flight, to the call running it (defer_wait_to_first_use);
-// the call waits on it just before the first thing that reads it: the node
-// it is delivered to (execute_node), an accumulation into the same input
-// (add_to_input), or the end of the call. Everything scheduled in between
-// overlaps the communication.
+// Deferred collective waits (deferred_waits.h): what defer_wait_to_first_use
+// takes and when the call waits on it.
 
+#include "engine/run/deferred_waits.h"
 #include "engine/plan/schedule_replay.h"
 #include "engine/run/backward_call.h"
 #include "engine/run/running_node.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+
+#include <utility>
 
 namespace torch_ext {
 namespace {
@@ -29,22 +28,23 @@ void wait_collective_result(const at::Tensor& result) {
 
 } // namespace
 
-void BackwardCall::wait_traced(
+void DeferredWaits::wait_traced(
     const PendingWait& pending,
     int32_t consumer,
     const char* why) {
-  if (trace_ == nullptr) {
+  trace::CallTrace* const trace = tracing_.recorder();
+  if (trace == nullptr) {
     wait_collective_result(pending.result);
     return;
   }
   Node* reader = consumer == kNoSlot ? nullptr : plan_.slots[consumer].fn;
-  const int32_t index = trace_->begin(
+  const int32_t index = trace->begin(
       trace::Kind::kCollectiveWait,
       reader != nullptr ? reader->name() : std::string(why),
       reader != nullptr ? trace::traced_sequence_nr(reader->sequence_nr())
                         : -1);
-  trace_->event(index).wait_for = pending.launch_event;
-  trace::EndOnExit end_wait(trace_.get(), index);
+  trace->event(index).wait_for = pending.launch_event;
+  trace::EndOnExit end_wait(trace, index);
   wait_collective_result(pending.result);
 }
 
@@ -73,18 +73,24 @@ bool defer_wait_to_first_use(const at::Tensor& result) {
   if (!hands_result_in_flight(call.plan_, *running->node)) {
     return false;
   }
-  const int32_t launch_event = call.running_node_event_;
-  if (call.trace_ != nullptr && launch_event != trace::kNoEvent) {
-    call.trace_->event(launch_event).collective = true;
+  if (call.deferred_waits_.defer(result)) {
+    call.failure_cleanups_.add(call.deferred_waits_);
   }
-  call.pending_waits_.push_back({result, kNoSlot, launch_event});
   return true;
 }
 
-void BackwardCall::note_pending_delivery(
-    int32_t target,
-    const at::Tensor& grad) {
-  for (auto& pending : pending_waits_) {
+bool DeferredWaits::defer(const at::Tensor& result) {
+  const int32_t launch_event = tracing_.running_node_event;
+  trace::CallTrace* const trace = tracing_.recorder();
+  if (trace != nullptr && launch_event != trace::kNoEvent) {
+    trace->event(launch_event).collective = true;
+  }
+  pending_.push_back({result, kNoSlot, launch_event});
+  return !std::exchange(took_one_, true);
+}
+
+void DeferredWaits::note_delivery(int32_t target, const at::Tensor& grad) {
+  for (auto& pending : pending_) {
     if (pending.slot == kNoSlot && pending.result.is_same(grad)) {
       pending.slot = target;
       plan_.slots[target].has_pending_wait = true;
@@ -92,15 +98,15 @@ void BackwardCall::note_pending_delivery(
   }
 }
 
-void BackwardCall::wait_pending(int32_t slot) {
+void DeferredWaits::wait_for(int32_t slot) {
   // Erase first, then wait: a failing wait must not be retried by the error
   // path.
   std::vector<PendingWait> ready;
-  auto it = pending_waits_.begin();
-  while (it != pending_waits_.end()) {
+  auto it = pending_.begin();
+  while (it != pending_.end()) {
     if (slot == kNoSlot || it->slot == slot) {
       ready.push_back(std::move(*it));
-      it = pending_waits_.erase(it);
+      it = pending_.erase(it);
     } else {
       ++it;
     }
@@ -112,21 +118,19 @@ void BackwardCall::wait_pending(int32_t slot) {
     try {
       wait_traced(ready[i], slot, "end of backward");
     } catch (...) {
-      // The rest go back, for wait_pending_after_error to complete.
+      // The rest go back, for on_failure to complete.
       for (size_t rest = i + 1; rest < ready.size(); ++rest) {
-        pending_waits_.push_back(std::move(ready[rest]));
+        pending_.push_back(std::move(ready[rest]));
       }
       throw;
     }
   }
 }
 
-void BackwardCall::wait_pending_after_error() noexcept {
-  // Every launched collective must still complete, or its output buffer and
-  // work stay registered with c10d and the ranks fall out of step.
-  while (!pending_waits_.empty()) {
-    const PendingWait pending = std::move(pending_waits_.back());
-    pending_waits_.pop_back();
+void DeferredWaits::on_failure() noexcept {
+  while (!pending_.empty()) {
+    const PendingWait pending = std::move(pending_.back());
+    pending_.pop_back();
     try {
       wait_traced(pending, kNoSlot, "error");
     } catch (const std::exception& e) {

@@ -5,12 +5,13 @@
 // (Engine::evaluate_function and call_function in engine.cpp.) The steps it
 // shares with lane nodes are in node_steps.h; a gradient into an input the
 // plan orders goes through OrderedDelivery (ordered_delivery.h); lane nodes
-// are collective_sequence.cpp's.
+// are collective_sequence.cpp's. Per node, each feature the call holds
+// (backward_call.h) costs a test of a bool, a flag of the node's slot or a
+// null pointer when it is off.
 
 #include "engine/host_callbacks.h"
+#include "engine/planned_collective_start.h"
 #include "engine/run/backward_call.h"
-#include "engine/run/collective_sequence.h"
-#include "engine/run/deferred_accumulation.h"
 #include "engine/run/node_steps.h"
 #include "engine/run/running_node.h"
 
@@ -153,7 +154,7 @@ void BackwardCall::add_to_input(
   InputBuffer& inputs = buffer_of(slot);
   if (slot.has_pending_wait && inputs.buffer[input_nr].defined()) {
     // Accumulating reads both gradients.
-    wait_pending(target);
+    deferred_waits_.wait_for(target);
   }
   prepare_for_accelerator_grad(inputs, grad);
   inputs.add(
@@ -180,8 +181,8 @@ void BackwardCall::deliver(
     }
     open_buffer(slot, variable_list(slot.fn->num_inputs()));
   }
-  if (!pending_waits_.empty()) {
-    note_pending_delivery(target, grad);
+  if (deferred_waits_.any()) {
+    deferred_waits_.note_delivery(target, grad);
   }
   const int32_t ordered = edge == kNoEdge || plan_.ordered_input_of_edge.empty()
       ? kNoSlot
@@ -235,7 +236,7 @@ std::optional<variable_list> BackwardCall::run_node_action(
       // Its node pre-hooks run now, and the later pass runs only apply():
       // every hook runs once across the passes.
       call_pre_hooks(fn, buffered);
-      (*kept_)[slot.kept].inputs = std::move(buffered);
+      split_pass_.kept(slot.kept).inputs = std::move(buffered);
     }
     return std::nullopt;
   }
@@ -244,39 +245,31 @@ std::optional<variable_list> BackwardCall::run_node_action(
     // which run in call_function.
     capture(index, buffered, node_stream);
   }
-  if (batch_ != nullptr) {
-    // A hook may read a weight's .grad that the batch holds back.
-    batch_->before_node(fn);
-  }
+  split_pass_.before_node(fn);
   // A collective's backward formula may hand its in-flight result to this
   // call (defer_wait_to_first_use) while the node runs.
   const RunningNode running{this, &fn};
   RunningNodeScope running_scope(running);
   switch (slot.action) {
     case NodeAction::kRun: {
-      if (batch_ != nullptr && batch_->try_take(fn, buffered)) {
+      if (split_pass_.takes_accumulation(fn, buffered)) {
         return variable_list(); // what an AccumulateGrad returns
       }
       NarrowedNeedsInputGrad narrowed(fn, plan_.narrows_needs_input_grad);
       variable_list outputs;
       if (slot.collective || slot.collective_wait) {
-        const bool reports = progress_ != nullptr && slot.collective;
         try {
-          if (reports && sequence_ != nullptr &&
-              sequence_->place[index] != kNoSlot) {
-            progress_->may_start(static_cast<size_t>(sequence_->place[index]));
-          }
-          const StartingPlannedCollective starting(reports);
+          PlannedCollectiveStart start(
+              sequence_.progress_of(index),
+              sequence_.turn_of(index));
           outputs = call_function(fn, std::move(buffered), keep_graph);
+          start.started();
         } catch (...) {
           std::rethrow_exception(
               host_callbacks().name_collective_node_in_error(
                   std::current_exception(),
                   fn,
                   /*in_lane=*/false));
-        }
-        if (reports) {
-          progress_->started_one();
         }
       } else {
         outputs = call_function(fn, std::move(buffered), keep_graph);
@@ -287,7 +280,7 @@ std::optional<variable_list> BackwardCall::run_node_action(
     case NodeAction::kRunAndKeep:
       return run_and_keep(index, std::move(buffered));
     case NodeAction::kResumeKept: {
-      KeptNode& kept = (*kept_)[slot.kept];
+      KeptNode& kept = split_pass_.kept(slot.kept);
       if (kept.outputs.has_value()) {
         variable_list outputs = std::move(*kept.outputs);
         kept.outputs.reset();
@@ -315,7 +308,7 @@ variable_list BackwardCall::run_and_keep(
     variable_list&& buffered) {
   const NodeSlot& slot = plan_.slots[index];
   Node& fn = *slot.fn;
-  KeptNode& kept = (*kept_)[slot.kept];
+  KeptNode& kept = split_pass_.kept(slot.kept);
   // Its pre-hooks run once, here; the later pass may run apply() again on
   // the same gradients, so its saved variables stay.
   variable_list inputs = std::move(buffered);
@@ -397,11 +390,11 @@ void BackwardCall::execute_node(int32_t index) {
   }
   int32_t trace_event = trace::kNoEvent;
   if constexpr (kTraced) {
-    trace_event = begin_node_event(*trace_, plan_, index);
-    running_node_event_ = trace_event;
+    trace_event = begin_node_event(*tracing_.recorder(), plan_, index);
+    tracing_.running_node_event = trace_event;
   }
   trace::EndOnExit end_trace_event(
-      kTraced ? trace_.get() : nullptr,
+      kTraced ? tracing_.recorder() : nullptr,
       trace_event);
 
   enter_task_state();
@@ -412,7 +405,7 @@ void BackwardCall::execute_node(int32_t index) {
   c10::OptionalStreamGuard node_stream_guard{node_stream};
   wait_for_ready_inputs(inputs, node_stream);
   if (C10_UNLIKELY(slot.runs_in_lane) && node_stream.has_value() &&
-      sequence_ != nullptr) {
+      sequence_.takes_turns()) {
     // A lane node on an accelerator: its collective is issued on the
     // lane's side stream, so the streams of the nodes run after it do not
     // wait for the communication; its outputs carry that stream, and their
@@ -420,12 +413,12 @@ void BackwardCall::execute_node(int32_t index) {
     // Its group is not needed (one side stream per device), but asking
     // refuses one the engine can see is unsafe, as on CPU.
     host_callbacks().lane_group_key(fn);
-    node_stream = move_to_side_stream(*node_stream, inputs.buffer);
+    node_stream = sequence_.move_to_side_stream(*node_stream, inputs.buffer);
     node_stream_guard.reset_stream(*node_stream);
   }
   if (slot.has_pending_wait) {
     // A collective's result arrived here in flight; this is its first reader.
-    wait_pending(index);
+    deferred_waits_.wait_for(index);
   }
 
   std::optional<variable_list> ran =

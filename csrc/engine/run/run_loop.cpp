@@ -2,16 +2,14 @@
 // backward), published to the host task, seeded, then every ready node run
 // in the scheduler's order until none is left. Runs inside the host task's
 // BackwardDriver (host/host_task.cpp), which it publishes its plan to. A call
-// with lane nodes or the collective order check runs collective_sequence.cpp's
-// loop instead.
+// whose collectives take turns (lane nodes, the collective order check) runs
+// collective_sequence.cpp's loop instead.
 
 #include "engine/host/host_task.h"
 #include "engine/plan/plan_cache.h"
 #include "engine/plan/schedule_replay.h"
 #include "engine/run/backward_call.h"
-#include "engine/run/collective_sequence.h"
 #include "engine/run/current_node.h"
-#include "engine/run/deferred_accumulation.h"
 #include "engine/run/run_call.h"
 #include "engine/run/running_node.h"
 
@@ -70,8 +68,7 @@ BackwardCall::BackwardCall(
       // streams are not the caller's.
       caller_streams_(current_accelerator_streams()),
       has_accelerator_(
-          at::accelerator::getAccelerator(/*checked=*/false).has_value()),
-      progress_(take_report_target()) {
+          at::accelerator::getAccelerator(/*checked=*/false).has_value()) {
   if (!options_.accumulate_grad) {
     captured_.resize(inputs_.size());
   }
@@ -82,6 +79,15 @@ BackwardCall::BackwardCall(
 }
 
 BackwardCall::~BackwardCall() = default;
+
+void BackwardCall::run_as_split_pass(SplitPass& pass) {
+  plan_ = std::move(pass.plan);
+  split_pass_ = SplitPassContext(pass.kept, pass.batch);
+  if (!pass.root_streams.empty()) {
+    root_streams_ = std::move(pass.root_streams);
+  }
+  tracing_.set_label(pass.trace_label);
+}
 
 variable_list run_call(
     edge_list roots,
@@ -101,13 +107,7 @@ variable_list run_call(
       options,
       std::move(priority_overrides));
   if (pass != nullptr) {
-    call.use_plan(std::move(pass->plan));
-    call.set_kept_nodes(pass->kept);
-    call.set_accumulation_batch(pass->batch);
-    if (!pass->root_streams.empty()) {
-      call.set_root_streams(std::move(pass->root_streams));
-    }
-    call.set_trace_label(pass->trace_label);
+    call.run_as_split_pass(*pass);
   }
   run_in_host_task(call, host_keeps_graph, filtered);
   return call.take_captured();
@@ -155,27 +155,19 @@ void BackwardCall::seed_roots() {
 }
 
 void BackwardCall::run(Node* host_node) {
-  if (trace::enabled()) {
-    const char* label = trace_label_ != nullptr ? trace_label_
-        : options_.accumulate_grad              ? "backward"
-                                                : "grad";
-    trace_ = std::make_unique<trace::CallTrace>(label);
-    plan_.record_priority_sources = true;
-  }
   // The call's span ends, and its events go to the recorder, however run()
   // exits.
-  struct FinishTrace {
-    trace::CallTrace* trace;
-    ~FinishTrace() {
-      if (trace != nullptr) {
-        trace->finish();
-      }
-    }
-  } finish_trace{trace_.get()};
+  const trace::CallTracing::Span span =
+      tracing_.start(options_.accumulate_grad ? "backward" : "grad");
+  const bool traced = tracing_.recorder() != nullptr;
+  if (traced) {
+    plan_.record_priority_sources = true;
+  }
   current_node_slot_ = current_node_slot(host_node);
   host_nodes_in_graph_ =
       torch::autograd::get_current_graph_task_nodes_in_graph();
-  if (!has_plan_) {
+  // A split pass's plan is given (run_as_split_pass).
+  if (!split_pass_.is_pass()) {
     plan_for_call(
         plan_,
         roots_,
@@ -187,19 +179,8 @@ void BackwardCall::run(Node* host_node) {
   // Filling the host's nodes_in_graph makes _will_engine_execute_node and
   // register_multi_grad_hook(mode="all") see the real graph.
   publish_plan_to_host_task(plan_);
-  if (progress_ != nullptr) {
-    // In sequence, each planned collective asks for its turn (may_start):
-    // the forward's collectives may then take turns with them.
-    progress_->planned(
-        planned_collectives().size(),
-        /*in_turns=*/runs_collective_sequence());
-  }
-  if (batch_ != nullptr) {
-    // The first final callback, ahead of any a hook queues during the pass;
-    // after an error, when final callbacks do not run, the caller flushes.
-    torch::autograd::Engine::get_default_engine().queue_callback(
-        [batch = batch_] { batch->flush(); });
-  }
+  sequence_.plan(split_pass_.is_pass(), failure_cleanups_);
+  split_pass_.flush_batch_when_the_pass_ends();
   // Gradients are accumulated (InputBuffer) and nodes run with grad mode
   // equal to create_graph, as under stock's per-task thread-local state.
   c10::GradMode::set_enabled(options_.create_graph);
@@ -208,17 +189,9 @@ void BackwardCall::run(Node* host_node) {
 
   int32_t running = kNoSlot;
   try {
-    const bool checks_order_alone = !runs_collective_sequence() &&
-        plan_.has_collectives && host_callbacks().collective_check_enabled();
-    if (checks_order_alone) {
-      // Split backward's passes: no sequence to enforce (their kept and
-      // resumed nodes are not replayed by it), but the ranks still compare
-      // the collectives the plan will start, before the first starts.
-      begin_order_check(planned_collectives());
-    }
+    sequence_.begin();
     seed();
-    const bool traced = trace_ != nullptr;
-    if (runs_collective_sequence()) {
+    if (sequence_.takes_turns()) {
       if (traced) {
         run_in_sequence</*kTraced=*/true>();
       } else {
@@ -229,8 +202,8 @@ void BackwardCall::run(Node* host_node) {
       // queue's pop (callgrind: +10 instructions per node untraced).
       while (!ready_.empty()) {
         running = ready_.pop();
-        if (order_check_ != nullptr && !order_check_passed_) {
-          await_order_check_before(running);
+        if (sequence_.awaits_order_check()) {
+          sequence_.await_order_check_before(running);
         }
         if (traced) {
           execute_node</*kTraced=*/true>(running);
@@ -239,40 +212,22 @@ void BackwardCall::run(Node* host_node) {
         }
       }
     }
-    if (order_check_ != nullptr) {
-      // A call that started no collective and ran no hook still hears about
-      // a divergence before it returns.
-      order_check_->await(CollectiveOrderCheck::kEveryCollective);
-    }
+    sequence_.await_every_verdict();
     // Collective results no node read (dropped, or delivered to nodes that
     // do not run) still complete before backward returns. A failure here is
     // no node's.
     running = kNoSlot;
-    wait_pending(kNoSlot);
+    deferred_waits_.wait_for(kNoSlot);
   } catch (...) {
     if (running != kNoSlot) {
       failed_node_ = plan_.slots[running].fn;
     }
-    if (progress_ != nullptr) {
-      // A lane waiting for its collective's turn gives up rather than issue
-      // it (stop() below joins the lanes).
-      progress_->abandoned();
-    }
-    if (sequence_ != nullptr) {
-      // Before anything else: a lane may still be running a node of this
-      // call. Its queued nodes are dropped.
-      sequence_->lanes.stop();
-    }
-    if (order_check_ != nullptr) {
-      order_check_->complete_after_error();
-    }
-    wait_pending_after_error();
+    // The collective sequence (its lanes first), then the results in flight.
+    failure_cleanups_.run();
     record_held_gradients();
     throw;
   }
-  if (sequence_ != nullptr) {
-    sequence_->lanes.stop();
-  }
+  sequence_.finish();
   record_held_gradients();
   sync_leaf_streams_with_caller();
 }
