@@ -16,6 +16,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from torch_ext.verify._run import verify
+
 
 def add_arguments(parser) -> None:
     """The options of ``python -m torch_ext verify``."""
@@ -42,8 +44,6 @@ def add_arguments(parser) -> None:
 def run_command(args) -> int:
     """``python -m torch_ext verify``: 0 when every rank's step is identical on both engines, 1 when not."""
     import torch.distributed as dist
-
-    from torch_ext.verify import verify  # the package imports this module: verify is there by the time this runs
 
     # Under torchrun: the process group, before the module's import (which may build a sharded model).
     started_group = False
