@@ -41,6 +41,15 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _stock_gradients() -> list[torch.Tensor]:
+    """The gradients stock's plain accumulation loop leaves, from the seed the overlapped runs start at (2)."""
+    stock = _model()
+    torch.manual_seed(2)
+    for x in _batches():
+        stock(x).square().mean().backward()
+    return _grads(stock)
+
+
 @pytest.fixture
 def group_of_this_process():
     """A process group of this process alone, whose collectives go through the c10d operators (a bare backend's
@@ -51,23 +60,19 @@ def group_of_this_process():
 
 
 def test_a_plain_loop_gives_stocks_bits():
-    stock, overlapped = _model(), _model()
-    torch.manual_seed(2)
-    for x in _batches():
-        stock(x).square().mean().backward()
+    expected = _stock_gradients()
+    overlapped = _model()
     torch.manual_seed(2)
     with torch_ext.overlap_microbatches() as overlap:
         for x in _batches():
             overlap.backward(overlapped(x).square().mean())
-    for a, b in zip(_grads(overlapped), _grads(stock), strict=True):
+    for a, b in zip(_grads(overlapped), expected, strict=True):
         assert torch.equal(a, b)
 
 
 def test_deferring_hands_over_library_backward_calls_and_optimizer_step_waits():
-    stock, overlapped = _model(), _model()
-    torch.manual_seed(2)
-    for x in _batches():
-        stock(x).square().mean().backward()
+    expected = _stock_gradients()
+    overlapped = _model()
     finished: list[int] = []
     hook = overlapped[0].weight.register_hook(lambda grad: time.sleep(0.05) or finished.append(1) or grad)
     optimizer = torch.optim.SGD(overlapped.parameters(), lr=0.0)
@@ -83,7 +88,7 @@ def test_deferring_hands_over_library_backward_calls_and_optimizer_step_waits():
                 optimizer.step()  # reads .grad: waits for it first
                 assert len(finished) == 2
     hook.remove()
-    for a, b in zip(_grads(overlapped), _grads(stock), strict=True):
+    for a, b in zip(_grads(overlapped), expected, strict=True):
         assert torch.equal(a, b)
 
 
@@ -264,10 +269,8 @@ def test_nothing_of_torchs_is_replaced_while_a_backward_is_in_flight_but_what_th
 
 
 def test_deferring_hands_over_torch_ext_backward_and_raises_argument_errors_at_once():
-    stock, overlapped = _model(), _model()
-    torch.manual_seed(2)
-    for x in _batches():
-        stock(x).square().mean().backward()
+    expected = _stock_gradients()
+    overlapped = _model()
     torch.manual_seed(2)
     with torch_ext.overlap_microbatches() as overlap:
         for x in _batches():
@@ -279,7 +282,7 @@ def test_deferring_hands_over_torch_ext_backward_and_raises_argument_errors_at_o
                     (torch.ones(2, requires_grad=True) * 2).backward()
                 with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
                     torch.ones(2).sum().backward()
-    for a, b in zip(_grads(overlapped), _grads(stock), strict=True):
+    for a, b in zip(_grads(overlapped), expected, strict=True):
         assert torch.equal(a, b)
 
 
