@@ -23,6 +23,7 @@ import importlib.resources
 import importlib.util
 import itertools
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -308,9 +309,23 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def machine_description() -> str:
+    """The CPU's model and the core count: numerics and timings both depend on them (MKL takes other paths on
+    another vendor's CPU), so every run says which machine made it."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
 def run_all(benchmarks: Sequence[Benchmark], folder: Path, quick: bool) -> int:
     """Runs the benchmarks, writes the summary and plots into ``folder``; 0 unless a benchmark failed."""
     folder.mkdir(parents=True, exist_ok=True)
+    machine = machine_description()
+    print(f"bench: on {machine}", file=sys.stderr, flush=True)
     progress = make_progress(len(benchmarks))
     outcomes = []
     # SIGTERM (a CI job cancelled, kill) stops the running benchmark as Ctrl-C does, rather than orphaning it.
@@ -331,7 +346,8 @@ def run_all(benchmarks: Sequence[Benchmark], folder: Path, quick: bool) -> int:
         f"{o.name}: {o.status} in {o.seconds:.1f} s" + (f" ({o.reason})" if o.status != "ok" else "") for o in outcomes
     ]
     print("\n".join(status_lines))
-    write_summary(folder, rows, outcomes, quick)
+    print(f"machine: {machine}")
+    write_summary(folder, rows, outcomes, quick, machine)
     plots = write_plots(folder, rows)
     # The benchmarks' own pictures (the overlap timelines), where they wrote them.
     by_name = {benchmark.name: benchmark for benchmark in benchmarks}
@@ -384,7 +400,7 @@ def format_markdown(rows: Sequence) -> str:
     return "\n".join(markdown)
 
 
-def write_summary(folder: Path, rows: Sequence, outcomes: Sequence[Outcome], quick: bool) -> None:
+def write_summary(folder: Path, rows: Sequence, outcomes: Sequence[Outcome], quick: bool, machine: str) -> None:
     with open(folder / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(("benchmark", "case", "variant", "metric", "value"))
@@ -397,7 +413,7 @@ def write_summary(folder: Path, rows: Sequence, outcomes: Sequence[Outcome], qui
     )
     plots = "\n".join(f"![{name}]({name}.png)" for name in dict.fromkeys(r.benchmark for r in rows))
     (folder / "summary.md").write_text(
-        f"# torch_ext bench{' --quick' if quick else ''}\n\n"
+        f"# torch_ext bench{' --quick' if quick else ''}\n\nOn {machine}.\n\n"
         "Ratios below 1: torch_ext is faster. Medians; each benchmark's CSV and log are beside this file.\n\n"
         f"{format_markdown(rows)}\n\n{runs}\n\n{plots}\n"
     )
