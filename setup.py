@@ -98,9 +98,9 @@ setup(
     ext_modules=[
         CppExtension(
             "torch_ext._C",
-            # csrc/'s folders are its layers: engine/ (the engine core, its own layers in plan/, run/, host/ and
-            # split/), collectives/ (collective roles and their lanes), overlap/ (the microbatch overlap's window
-            # and collective gate), bindings/ (Python and torch.library).
+            # csrc/'s folders are its layers: collectives/ (collective roles and their cache), engine/ (the
+            # engine core, its own layers in plan/, host/, run/ and split/), overlap/ (the microbatch overlap's
+            # window and collective gate), bindings/ (Python and torch.library).
             # Headers are included by that path.
             sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)),
             include_dirs=[os.path.join(HERE, "csrc")],

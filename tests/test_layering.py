@@ -1,11 +1,14 @@
-"""csrc/'s folders are layers (docs/internals.md, "Layout"): only bindings/ includes Python, nothing includes
-bindings/ from outside it, and the microbatch overlap (overlap/) sits above the engine and its collectives, which
-never include it. Reads the sources; needs no built engine."""
+"""csrc/'s folders are layers (docs/internals.md, "Layout"): collectives/ -> engine/ -> overlap/ -> bindings/, each
+including only the ones before it, as engine/'s own folders do (plan/ -> host/ -> run/ -> split/); only bindings/
+includes Python. In the Python package (and in benchmarks/) no two modules import each other, directly or round a
+longer circle. Reads the sources; needs no built engine."""
 
+import ast
 import re
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
 # Headers that need Python: CPython's, pybind11's, and torch's Python bindings.
 PYTHON_HEADER = re.compile(
     r"Python\.h|pybind|torch/csrc/(?:Exceptions|utils|python_headers|PyInterpreter)\.h|/python_[^/]*\.h|/THP"
@@ -43,7 +46,11 @@ def test_only_bindings_include_python():
 
 
 def test_no_layer_includes_one_above_it():
-    above = {"engine": ("overlap/", "bindings/"), "collectives": ("overlap/", "bindings/"), "overlap": ("bindings/",)}
+    above = {
+        "collectives": ("engine/", "overlap/", "bindings/"),
+        "engine": ("overlap/", "bindings/"),
+        "overlap": ("bindings/",),
+    }
     found = [
         f"{path}:{line}: {header}"
         for folder, forbidden in above.items()
@@ -51,3 +58,104 @@ def test_no_layer_includes_one_above_it():
         if header.startswith(forbidden)
     ]
     assert not found, "\n".join(found)
+
+
+def test_engine_folders_include_only_the_ones_before_them():
+    order = ["plan", "host", "run", "split"]
+    found = [
+        f"{path}:{line}: {header}"
+        for position, folder in enumerate(order)
+        for path, line, header in includes(f"engine/{folder}")
+        if header.startswith(tuple(f"engine/{later}/" for later in order[position + 1 :]))
+    ]
+    assert any(header.startswith("engine/plan/") for _, _, header in includes("engine/run"))
+    assert not found, "\n".join(found)
+
+
+def module_imports(package_root: Path) -> dict[str, set[str]]:
+    """Each module of the package at ``package_root`` -> the package's modules it imports, anywhere in it
+    (a function's lazy import counts: it is the same dependency, deferred)."""
+    modules = {}
+    for path in package_root.rglob("*.py"):
+        parts = list(path.relative_to(package_root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    imports = {}
+    for module, path in modules.items():
+        this_package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(owner(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = this_package.split(".")[: len(this_package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:
+                    found.add(owner(f"{base}.{alias.name}") if f"{base}.{alias.name}" in modules else owner(base))
+        imports[module] = {name for name in found if name is not None and name != module}
+    return imports
+
+
+def import_circles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    lowest: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        index[module] = lowest[module] = len(index)
+        stack.append(module)
+        for imported in sorted(imports[module]):
+            if imported not in index:
+                visit(imported)
+                lowest[module] = min(lowest[module], lowest[imported])
+            elif imported in stack:
+                lowest[module] = min(lowest[module], index[imported])
+        if lowest[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(imports):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_python_modules_import_each_other():
+    package = module_imports(ROOT / "torch_ext")
+    assert "torch_ext.engine" in package["torch_ext"]  # the walk sees imports at all
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    benchmarks = {
+        f"benchmarks.{module}": {f"benchmarks.{name}" for name in names}
+        for module, names in _benchmark_imports().items()
+    }
+    assert "benchmarks._common" in benchmarks["benchmarks.overlap"]
+    assert import_circles(package) == [] and import_circles(benchmarks) == []
+
+
+def _benchmark_imports() -> dict[str, set[str]]:
+    """benchmarks/ is a folder of scripts that import each other by bare name (``from _common import ...``)."""
+    scripts = {path.stem: path for path in (ROOT / "benchmarks").glob("*.py")}
+    imports = {}
+    for name, path in scripts.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names if alias.name in scripts)
+            elif isinstance(node, ast.ImportFrom) and node.module in scripts and not node.level:
+                found.add(node.module)
+        imports[name] = found - {name}
+    return imports

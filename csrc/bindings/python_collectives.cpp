@@ -6,6 +6,7 @@
 
 #include "bindings/python_collectives.h"
 #include "bindings/python_request.h"
+#include "collectives/role_cache.h"
 #include "engine/collective_progress.h"
 
 #include <torch/csrc/Exceptions.h>
@@ -30,205 +31,10 @@ namespace {
 // (remember_python_node_type); until then no node has a role.
 std::atomic<const std::type_info*> python_node_type{nullptr};
 
-// ---------------------------------------------------------------------------
-// The cache: node class (its PyTypeObject*) -> role.
-//
-// Read by discovery for every node without the GIL, written (rarely) by
-// registration, by the first sight of a class and by a class's death, all
-// with the GIL and `writer_mutex` held. Readers take no lock: the table is
-// open addressing over atomic words, each holding a class's address with
-// its role in the low bits (type objects are at least 8-byte aligned), so a
-// reader sees an entry whole or not at all. A full table is replaced by a
-// larger copy; readers may still be probing the old one, so old tables are
-// kept (their sizes double, so all of them together are at most twice the
-// current one). A reader that misses an entry only just added takes the
-// slow path, which looks again under the lock.
-//
-// Entries are keyed by address, and a class's address can be reused by a
-// new class once it is freed: every entry holds a weak reference to its
-// class whose callback removes the entry while the class dies, before its
-// memory can be reused. A node holds its class alive, so a class a reader
-// looks up for a live node is never removed under it.
-
-constexpr uintptr_t kRoleBits = 0x3;
-constexpr uintptr_t kAddressBits = ~uintptr_t{0x7};
-constexpr uintptr_t kEmpty = 0;
-// A removed entry: no class has address 0, and probing goes on past it.
-constexpr uintptr_t kRemoved = 0x4;
-// 256 words: room for 128 classes before the first copy.
-constexpr size_t kInitialCapacity = 256;
-
-uintptr_t entry_of(uintptr_t key, CollectiveRole role) {
-  return key | static_cast<uintptr_t>(role);
-}
-
-class RoleTable {
- public:
-  explicit RoleTable(size_t capacity)
-      : mask_(capacity - 1), slots_(new std::atomic<uintptr_t>[capacity]) {
-    TORCH_INTERNAL_ASSERT(
-        (capacity & mask_) == 0,
-        "capacity must be a power of two");
-    for (size_t i = 0; i < capacity; ++i) {
-      slots_[i].store(kEmpty, std::memory_order_relaxed);
-    }
-  }
-
-  size_t capacity() const {
-    return mask_ + 1;
-  }
-
-  std::optional<CollectiveRole> find(uintptr_t key) const {
-    for (size_t i = home(key);; i = (i + 1) & mask_) {
-      const uintptr_t entry = slots_[i].load(std::memory_order_acquire);
-      if (entry == kEmpty) {
-        return std::nullopt;
-      }
-      if ((entry & kAddressBits) == key) {
-        return static_cast<CollectiveRole>(entry & kRoleBits);
-      }
-    }
-  }
-
-  // Writers only. The word holding `key`, or null.
-  std::atomic<uintptr_t>* slot_of(uintptr_t key) {
-    for (size_t i = home(key);; i = (i + 1) & mask_) {
-      const uintptr_t entry = slots_[i].load(std::memory_order_relaxed);
-      if (entry == kEmpty) {
-        return nullptr;
-      }
-      if ((entry & kAddressBits) == key) {
-        return &slots_[i];
-      }
-    }
-  }
-
-  // Writers only; `key` is absent. Returns whether it took an empty word
-  // (rather than a removed entry's).
-  bool insert(uintptr_t key, CollectiveRole role) {
-    for (size_t i = home(key);; i = (i + 1) & mask_) {
-      const uintptr_t entry = slots_[i].load(std::memory_order_relaxed);
-      if (entry == kEmpty || entry == kRemoved) {
-        slots_[i].store(entry_of(key, role), std::memory_order_release);
-        return entry == kEmpty;
-      }
-    }
-  }
-
-  template <typename Visit>
-  void for_each_entry(Visit&& visit) const {
-    for (size_t i = 0; i <= mask_; ++i) {
-      const uintptr_t entry = slots_[i].load(std::memory_order_relaxed);
-      if (entry != kEmpty && entry != kRemoved) {
-        visit(
-            entry & kAddressBits,
-            static_cast<CollectiveRole>(entry & kRoleBits));
-      }
-    }
-  }
-
- private:
-  size_t home(uintptr_t key) const {
-    // Fibonacci hashing; the low 4 bits of an allocation carry nothing.
-    return static_cast<size_t>(((key >> 4) * 0x9E3779B97F4A7C15ull) >> 32) &
-        mask_;
-  }
-
-  size_t mask_;
-  std::unique_ptr<std::atomic<uintptr_t>[]> slots_;
-};
-
-class RoleCache {
- public:
-  RoleCache() {
-    tables_.push_back(std::make_unique<RoleTable>(kInitialCapacity));
-    current_.store(tables_.back().get(), std::memory_order_release);
-  }
-
-  std::optional<CollectiveRole> find(uintptr_t key) const {
-    return current_.load(std::memory_order_acquire)->find(key);
-  }
-
-  // Sets `key`'s role; with `overwrite` false an existing entry wins and its
-  // role is returned. `weakref` (a new reference, to the class) is kept for a
-  // new entry and handed back otherwise, to be released by the caller
-  // outside the lock.
-  CollectiveRole store(
-      uintptr_t key,
-      CollectiveRole role,
-      bool overwrite,
-      THPObjectPtr& weakref) {
-    std::lock_guard<std::mutex> lock(writer_mutex_);
-    RoleTable* table = current_.load(std::memory_order_relaxed);
-    if (std::atomic<uintptr_t>* slot = table->slot_of(key)) {
-      if (!overwrite) {
-        return static_cast<CollectiveRole>(
-            slot->load(std::memory_order_relaxed) & kRoleBits);
-      }
-      slot->store(entry_of(key, role), std::memory_order_release);
-      return role;
-    }
-    // At most half full, counting removed entries: probes stay short.
-    if ((used_words_ + 1) * 2 > table->capacity()) {
-      table = grow();
-    }
-    if (table->insert(key, role)) {
-      used_words_ += 1;
-    }
-    key_of_weakref_.emplace(weakref.release(), key);
-    return role;
-  }
-
-  // The weak reference's class is dying: forget it. Returns whether the
-  // reference was one of the cache's (whose reference the caller drops).
-  bool remove(PyObject* weakref) {
-    std::lock_guard<std::mutex> lock(writer_mutex_);
-    auto it = key_of_weakref_.find(weakref);
-    if (it == key_of_weakref_.end()) {
-      return false;
-    }
-    RoleTable* table = current_.load(std::memory_order_relaxed);
-    if (std::atomic<uintptr_t>* slot = table->slot_of(it->second)) {
-      slot->store(kRemoved, std::memory_order_release);
-    }
-    key_of_weakref_.erase(it);
-    return true;
-  }
-
-  size_t size() const {
-    std::lock_guard<std::mutex> lock(writer_mutex_);
-    return key_of_weakref_.size();
-  }
-
- private:
-  RoleTable* grow() {
-    RoleTable* old_table = current_.load(std::memory_order_relaxed);
-    const size_t live = key_of_weakref_.size();
-    size_t capacity = old_table->capacity();
-    while ((live + 1) * 4 > capacity) {
-      capacity *= 2;
-    }
-    auto table = std::make_unique<RoleTable>(capacity);
-    old_table->for_each_entry(
-        [&](uintptr_t key, CollectiveRole role) { table->insert(key, role); });
-    used_words_ = live;
-    tables_.push_back(std::move(table));
-    current_.store(tables_.back().get(), std::memory_order_release);
-    return tables_.back().get();
-  }
-
-  mutable std::mutex writer_mutex_;
-  std::atomic<RoleTable*> current_{nullptr};
-  // Every table ever made: readers may still probe an old one.
-  std::vector<std::unique_ptr<RoleTable>> tables_;
-  // Words of the current table that are not empty (entries and removed ones).
-  size_t used_words_ = 0;
-  // The cache's weak reference to each class it holds -> that class's key.
-  std::unordered_map<PyObject*, uintptr_t> key_of_weakref_;
-};
-
-// Never destroyed: weak reference callbacks and discovery on other threads may
-// run during interpreter shutdown.
+// Each node class's role (collectives/role_cache.h), keyed by its
+// PyTypeObject*, with a weak reference to the class as the entry's death
+// token. Never destroyed: weak reference callbacks and discovery on other
+// threads may run during interpreter shutdown.
 RoleCache& role_cache() {
   static auto* cache = new RoleCache();
   return *cache;
@@ -247,14 +53,6 @@ PyObject* lane_group_resolver = nullptr;
 PyObject* collective_checker = nullptr;
 std::atomic<bool> collective_check_on{false};
 
-uintptr_t key_of(PyTypeObject* node_class) {
-  const auto key = reinterpret_cast<uintptr_t>(node_class);
-  TORCH_INTERNAL_ASSERT(
-      (key & ~kAddressBits) == 0,
-      "a type object is not 8-byte aligned");
-  return key;
-}
-
 // With the GIL. Records `node_class`'s role (see RoleCache::store).
 CollectiveRole remember_role(
     PyTypeObject* node_class,
@@ -268,7 +66,14 @@ CollectiveRole remember_role(
   if (!weakref) {
     throw python_error();
   }
-  return role_cache().store(key_of(node_class), role, overwrite, weakref);
+  const RoleCache::Stored stored =
+      role_cache().store(node_class, role, overwrite, weakref.get());
+  if (stored.token_kept) {
+    // The cache's now; dropped by forget_dead_class. Otherwise `weakref` is
+    // released here, outside the cache's lock.
+    weakref.release();
+  }
+  return stored.role;
 }
 
 CollectiveRole role_from_int(long value) {
@@ -283,7 +88,7 @@ CollectiveRole role_from_int(long value) {
 CollectiveRole decide_role(PyTypeObject* node_class) {
   pybind11::gil_scoped_acquire gil;
   // Another thread may have decided, or registered, it while this one waited.
-  if (auto role = role_cache().find(key_of(node_class))) {
+  if (auto role = role_cache().find(node_class)) {
     return *role;
   }
   if (role_decider == nullptr) {
@@ -359,7 +164,7 @@ PyObject* py_set_collective_role_decider(
 
 // The role of a node class, deciding it if it is new.
 CollectiveRole role_of_class(PyTypeObject* node_class) {
-  if (auto role = role_cache().find(key_of(node_class))) {
+  if (auto role = role_cache().find(node_class)) {
     return *role;
   }
   return decide_role(node_class);

@@ -3,13 +3,8 @@
 // What a backward run beside the next microbatch's forward tells the thread
 // that handed it over (torch_ext.overlap_microbatches, overlap/window.h),
 // and where it waits for that thread: how many collectives its plan starts,
-// when each may start and when each has. On
-// every group each rank then issues the two threads' collectives in one
-// order, whatever the timing: by default the backward's all, then the
-// forward's; or, where the forward asked for it and the call holds its
-// collectives to the plan's order (runs them in sequence), in turns, the
-// backward's first, then the forward's first, the backward's second, and
-// so on, while both have some.
+// when each may start and when each has. The order this serves is the
+// collective order rule (docs/design.md, "The collective order rule").
 //
 // Two thread-locals carry it, so the engine's entry points need no new
 // argument: the target the next call made on this thread reports to, and

@@ -2,7 +2,7 @@
 
 // Starting a collective that a call planned, on the thread that issues it:
 // the engine thread for the nodes it runs (run/node_executor.cpp), a lane
-// for a lane node (collectives/collective_lane.cpp). What that takes is
+// for a lane node (engine/run/collective_lane.cpp). What that takes is
 // written once, here: the collective order check's verdict, the turn beside
 // the next microbatch's forward (collective_progress.h), this thread marked
 // as starting a planned collective (the collective gate lets it through),

@@ -7,7 +7,7 @@
 // flight tells the forward thread (HandedBackward: when the forward's
 // collectives may start, by its ForwardRule), where the forward thread parks,
 // and the RNG sections. The collective gate (collective_gate.h) holds every
-// collective to that order.
+// collective to that order (docs/design.md, "The collective order rule").
 //
 // RNG: a checkpoint's recompute sets the global generator to forward's state
 // and back. The backward thread does so only while the forward thread is

@@ -3,7 +3,7 @@
 // whose collectives take turns, the same on every rank; and the lane nodes,
 // whose hooks run on the engine thread, in the executor's steps
 // (node_steps.h), and whose apply() runs on their process group's lane
-// (collectives/collective_lane.h), or, on an accelerator, on a side stream.
+// (engine/run/collective_lane.h), or, on an accelerator, on a side stream.
 
 #include "engine/run/collective_sequence.h"
 #include "engine/host_callbacks.h"

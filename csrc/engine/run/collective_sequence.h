@@ -13,7 +13,7 @@
 //   starts only when every one before it has, and one the engine runs itself
 //   also waits for the lanes to be idle, so no collective it knows of is
 //   issued beside a lane's. Lane nodes' apply() runs on their process
-//   group's lane (collectives/collective_lane.h), or, on an accelerator, on
+//   group's lane (engine/run/collective_lane.h), or, on an accelerator, on
 //   a side stream.
 // With none of them on (an ordinary call) it holds nothing: no lane, no
 // table, and the run loop's per-node test is one of a bool.
@@ -22,12 +22,12 @@
 // and the lane nodes' hooks, which are the executor's steps, are in
 // collective_sequence.cpp beside this class's own functions.
 
-#include "collectives/collective_lane.h"
 #include "engine/collective_progress.h"
 #include "engine/host_callbacks.h"
 #include "engine/plan/graph_plan.h"
 #include "engine/planned_collective_start.h"
 #include "engine/run/call_feature.h"
+#include "engine/run/collective_lane.h"
 #include "engine/trace.h"
 
 #include <c10/core/Device.h>

@@ -1,4 +1,4 @@
-#include "collectives/collective_lane.h"
+#include "engine/run/collective_lane.h"
 
 #include <chrono>
 
