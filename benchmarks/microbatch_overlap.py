@@ -38,6 +38,9 @@ Variants:
                       forward's dispatch, backward's dispatch gradient, forward's combine), so the forward's first
                       no longer waits for the backward's last, and the backward's k+1-th waits for the forward's
                       k-th
+  twins               the same with ``forward_collectives="beside_backward_collectives"``: the backward's
+                      all_to_alls go to a twin of their group (a gloo group of the same ranks), so neither phase's
+                      wait for the other's
 
 T_comm is how long stock waits for one microbatch's all_to_alls (forward and backward) with no dense layer, each
 shape its own: that shape with no dense layer (``_common.calibrate_t_comm`` over one microbatch: its blocked time,
@@ -69,7 +72,7 @@ and the table's ``cpu +ms`` is that above the same repetition's ``compute`` step
 rank has about one core: CPU time a variant adds cannot hide behind anything, only waiting can; the summary
 prints that part of the exposure.
 
-A quick run (--quick) times pre-path alone, without turns and compute_overlapped (``QUICK_SHAPES``,
+A quick run (--quick) times pre-path alone, without turns, twins and compute_overlapped (``QUICK_SHAPES``,
 ``QUICK_LEFT_OUT``), so it prints no limit; a full run times every shape and variant.
 
 The figures (each rule's runs, what was traced, the CPU costs) are in docs/benchmarks.md, "Overlap across
@@ -147,7 +150,7 @@ DIM = 256
 ROWS = WORLD_SIZE * CAPACITY
 # Dense layers a MoE layer at most (a shape with two has twice as many): a cap on the sweep's depth.
 MAX_DENSE_LAYERS = 64
-ENGINE_VARIANTS = ("stock", "lane", "overlap", "turns")
+ENGINE_VARIANTS = ("stock", "lane", "overlap", "turns", "twins")
 # The variants whose all_to_alls are the identity: no collective at all.
 COMPUTE_VARIANTS = ("compute", "compute_overlapped")
 # The variants that overlap microbatches, and their rule for the forward's collectives (compute_overlapped has none
@@ -156,16 +159,17 @@ OVERLAPPED_VARIANTS = {
     "compute_overlapped": "after_backward_collectives",
     "overlap": "after_backward_collectives",
     "turns": "in_turns_with_backward_collectives",
+    "twins": "beside_backward_collectives",
 }
 TIMED_VARIANTS = ("compute", "compute_overlapped", *ENGINE_VARIANTS)
 # The rules read against the limit: the fraction of the gap between stock's exposure and the limit each closes.
-RULES = ("lane", "overlap", "turns")
+RULES = ("lane", "overlap", "turns", "twins")
 # Left out of a quick run's timing. The turns rule, not the default (its bits are still checked): it was a fifth of
 # a quick run's steps, and the default rule's figures are the quick run's claim. compute_overlapped, which only the
 # limit reads: at x1 of a full run here (456eb1e) the compute step took 563 ms of the quick variants' 2894 ms a
 # repetition, so it would add about a fifth to this script's ~50 s quick run, where bench --quick (166-172 s) has
 # 8-14 s left of its 3 minutes. A quick run prints no limit.
-QUICK_LEFT_OUT = ("turns", "compute_overlapped")
+QUICK_LEFT_OUT = ("turns", "twins", "compute_overlapped")
 # The variants whose forward and backward run one after the other, so that each phase has its own time.
 PHASED_VARIANTS = ("compute", "stock", "lane")
 # The table's variant column.
@@ -742,13 +746,15 @@ def print_summary(rows: Sequence[SummaryRow]) -> None:
             f"{len(below)}/{len(points)} points; saved activations' peak {overlap['saved_peak_ratio']:.2f} x stock's "
             f"(stock's + one microbatch's: {overlap['one_more_ratio']:.2f})"
         )
-        turns = of_case.get("turns")
-        if turns is not None:
+        for rule in ("turns", "twins"):
+            values = of_case.get(rule)
+            if values is None:
+                continue
             by_point = ", ".join(
-                f"{p} {turns[f'exposed_fraction {p}']:.2f}/{overlap[f'exposed_fraction {p}']:.2f}" for p in points
+                f"{p} {values[f'exposed_fraction {p}']:.2f}/{overlap[f'exposed_fraction {p}']:.2f}" for p in points
             )
             print(
-                f"turns: exposed {turns['exposed_fraction']:.2f} of stock's, step {turns['ratio']:.2f} x stock's; "
+                f"{rule}: exposed {values['exposed_fraction']:.2f} of stock's, step {values['ratio']:.2f} x stock's; "
                 f"exposed against the overlap's by point: {by_point}"
             )
         stock = of_case["stock"]
@@ -867,7 +873,7 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
                     f"({'met' if values['exposed_fraction'] <= AIM_EXPOSED_FRACTION else 'not met'}), step <= "
                     f"{AIM_STEP_RATIO:.2f} x stock's ({'met' if values['ratio'] <= AIM_STEP_RATIO else 'not met'})"
                 )
-            if variant == "turns":
+            if variant in ("turns", "twins"):
                 below_overlap = sum(f < o for f, o in zip(fractions, overlap_fractions, strict=True))
                 notes += f"; below the overlap's exposed at {below_overlap}/{len(points)} points"
             if has_limit and variant == "stock":

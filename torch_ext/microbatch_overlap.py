@@ -43,7 +43,10 @@ What is guaranteed, against the same loop run sequentially on stock PyTorch, bit
   or with ``no_sync()`` around the others. With ``forward_collectives="in_turns_with_backward_collectives"`` the
   two threads' collectives take turns instead, the backward's first (its first, the forward's first, its second,
   ...), until one has none left; the backward's collectives then also wait for the forward's, which is why the
-  forward signals, at every wait point above, that it issues no more before the backward ends.
+  forward signals, at every wait point above, that it issues no more before the backward ends. With
+  ``forward_collectives="beside_backward_collectives"`` neither waits: the backward's collectives go to a *twin*
+  of their group (a gloo group of the same ranks, ``torch_ext.collectives.twin_groups``), the forward's stay on
+  the group, and each group keeps its own thread's order on every rank. gloo groups only.
 - RNG: a microbatch whose forward saved the RNG state (every activation checkpoint does, to replay dropout in its
   recompute) makes the next forward's collectives wait for the whole backward (the recompute may issue
   collectives no plan holds), and the backward thread reads or sets the RNG state only while the caller's thread
@@ -72,7 +75,9 @@ from torch_ext._loader import _C
 # The rules for the next forward's collectives (a ``forward_collectives`` argument), for typing; their names and
 # values are csrc/overlap/window.h's ForwardRule, read from the engine (tests/test_microbatches.py checks that the
 # two name the same rules).
-ForwardCollectives = Literal["after_backward_collectives", "after_backward", "in_turns_with_backward_collectives"]
+ForwardCollectives = Literal[
+    "after_backward_collectives", "after_backward", "in_turns_with_backward_collectives", "beside_backward_collectives"
+]
 _FORWARD_COLLECTIVES: dict[str, int] = _C._overlap_forward_rules
 
 
@@ -498,6 +503,11 @@ def overlap_microbatches(forward_collectives: ForwardCollectives = "after_backwa
       where the compute beside an all_to_all is short (``benchmarks/microbatch_overlap.py``); on an accelerator
       the engine thread itself waits for the turn, which is unmeasured. Where the engine does not hold the
       backward's collectives to the plan's order (no lane node and no order check), the same as the default.
+    - ``"beside_backward_collectives"``: at once. The backward's collectives go to a twin of their group, a gloo
+      group of the same ranks made on first use without a hang (``torch_ext.collectives.twin_groups``), so the two
+      threads share no communicator and neither waits for the other's collectives. The bytes are the same, and so
+      are the bits. gloo groups only: on NCCL two communicators of the same ranks used from two streams can
+      deadlock, and a collective on a group of another backend is refused with an error naming the other rules.
     - ``"after_backward"``: once the whole backward has finished, for code whose backward issues collectives the
       engine cannot see.
 

@@ -59,6 +59,25 @@ void python_raise_interrupt_later(std::exception_ptr interrupt) {
   }
 }
 
+// HostCallbacks::twin_group_name: torch_ext.collectives.twin_groups makes
+// the twin (or refuses a group that can have none), with the GIL.
+std::string python_twin_group_name(const std::string& group_name) {
+  pybind11::gil_scoped_acquire gil;
+  THPObjectPtr module(
+      PyImport_ImportModule("torch_ext.collectives.twin_groups"));
+  THPObjectPtr twins(
+      module ? PyObject_GetAttrString(module.get(), "TWINS") : nullptr);
+  THPObjectPtr twin_name(
+      twins
+          ? PyObject_CallMethod(twins.get(), "name_of", "s", group_name.c_str())
+          : nullptr);
+  const char* name = twin_name ? PyUnicode_AsUTF8(twin_name.get()) : nullptr;
+  if (name == nullptr) {
+    throw python_error();
+  }
+  return name;
+}
+
 // HostCallbacks::wait_releasing_gil.
 void python_wait_releasing_gil(c10::function_ref<void()> wait) {
   if (Py_IsInitialized() && PyGILState_Check() != 0) {
@@ -221,6 +240,7 @@ void fill_overlap_callbacks(HostCallbacks& callbacks) {
   callbacks.raise_interrupt_later = python_raise_interrupt_later;
   callbacks.wait_releasing_gil = python_wait_releasing_gil;
   callbacks.forward_stopped_by_backward = python_forward_stopped_by_backward;
+  callbacks.twin_group_name = python_twin_group_name;
 }
 
 bool init_overlap_bindings(PyObject* module) {

@@ -116,6 +116,15 @@ struct HostCallbacks {
                 {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                 std::move(message)));
       };
+  // The registered name of the twin of the process group registered as
+  // `group_name`: a gloo group of the same ranks, on which a backward beside
+  // the next microbatch's forward issues that group's collectives
+  // (overlap/window.h, ForwardRule::kBesideOnTwinGroups). Throws for a group
+  // that has none (not gloo).
+  std::string (*twin_group_name)(const std::string& group_name) =
+      [](const std::string& group_name) -> std::string {
+    TORCH_CHECK(false, "torch_ext: no host to make a twin of ", group_name);
+  };
   // Makes an error raised by the collective node `fn` name it and where it
   // ran (its lane, or the engine thread): a collective's error is often the
   // network's, which names no node of its own.

@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 #include <torch/library.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
 #include <cstring>
@@ -118,11 +120,59 @@ void refuse_unless_planned(
       "overlap_microbatches(forward_collectives='after_backward')");
 }
 
-void before_collective(const c10::OperatorHandle& op) {
+// Whether a collective this backward-side thread may start goes to its
+// group's twin (under the window's mutex).
+bool goes_to_twin(const HandedBackward& backward) {
+  return backward.on_twin_groups && !backward.finished;
+}
+
+// The registered name of the twin of the group registered as `group_name`.
+std::string twin_name_of(const std::string& group_name) {
+  Window& w = window();
+  {
+    std::lock_guard<std::mutex> lock(w.mutex);
+    auto known = w.twin_names.find(group_name);
+    if (known != w.twin_names.end()) {
+      return known->second;
+    }
+  }
+  // Asked without the window's mutex: the host takes the GIL, which the
+  // forward thread may hold while it waits for the mutex.
+  std::string twin = host_callbacks().twin_group_name(group_name);
+  std::lock_guard<std::mutex> lock(w.mutex);
+  return w.twin_names.emplace(group_name, std::move(twin)).first->second;
+}
+
+// Moves the c10d collective on `stack` to its group's twin: its
+// ProcessGroup argument becomes the twin.
+void move_to_twin(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const auto group_type = arguments[i].type()->cast<c10::ClassType>();
+    if (group_type == nullptr || !group_type->name().has_value() ||
+        group_type->name()->qualifiedName() !=
+            "__torch__.torch.classes.c10d.ProcessGroup") {
+      continue;
+    }
+    c10::IValue& group = (*stack)[stack->size() - arguments.size() + i];
+    group = c10::IValue(
+        c10d::resolve_process_group(twin_name_of(
+            group.toCustomClass<c10d::ProcessGroup>()->getGroupName())));
+    return;
+  }
+  TORCH_CHECK(
+      false,
+      "torch_ext: ",
+      op.schema().name(),
+      " takes no process group, so it cannot move to a twin group");
+}
+
+// Returns whether the collective goes to its group's twin.
+bool before_collective(const c10::OperatorHandle& op) {
   Window& w = window();
   std::unique_lock<std::mutex> lock(w.mutex);
   if (w.current == nullptr) {
-    return;
+    return false;
   }
   if (std::this_thread::get_id() == w.forward_thread) {
     const std::shared_ptr<HandedBackward> backward =
@@ -139,9 +189,10 @@ void before_collective(const c10::OperatorHandle& op) {
                   backward->error,
                   ")")));
     }
-    return;
+    return false;
   }
   refuse_unless_planned(op.schema().name(), *w.current);
+  return goes_to_twin(*w.current);
 }
 
 void collective_gate(
@@ -149,8 +200,8 @@ void collective_gate(
     c10::DispatchKeySet keys,
     torch::jit::Stack* stack) {
   const bool open = window().open.load(std::memory_order_acquire);
-  if (open) {
-    before_collective(op);
+  if (open && before_collective(op)) {
+    move_to_twin(op, stack);
   }
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
   IssuingLaneNode* lane_node = issuing_lane_node();
@@ -214,11 +265,23 @@ void functional_collective_gate(
     c10::DispatchKeySet keys,
     torch::jit::Stack* stack) {
   Window& w = window();
+  bool to_twin = false;
   if (w.open.load(std::memory_order_acquire) &&
       std::this_thread::get_id() != w.forward_thread) {
     std::lock_guard<std::mutex> lock(w.mutex);
     if (w.current != nullptr) {
       refuse_unless_planned(op.schema().name(), *w.current);
+      to_twin = goes_to_twin(*w.current);
+    }
+  }
+  if (to_twin) {
+    // Its group by registered name: the twin's (takes_a_group).
+    const auto& arguments = op.schema().arguments();
+    for (size_t i = 0; i < arguments.size(); ++i) {
+      if (arguments[i].name() == "group_name") {
+        c10::IValue& name = (*stack)[stack->size() - arguments.size() + i];
+        name = c10::IValue(twin_name_of(name.toStringRef()));
+      }
     }
   }
   op.redispatchBoxed(

@@ -125,6 +125,7 @@ void open_window() {
   w.current = nullptr;
   w.forward_parked = false;
   w.rng_section.reset();
+  w.twin_names.clear();
   w.forward_observer = observe_forward_thread_ops();
   w.open.store(true, std::memory_order_release);
 }

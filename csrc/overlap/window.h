@@ -33,6 +33,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
 
 namespace torch_ext {
 
@@ -46,24 +47,30 @@ enum class ForwardRule : int {
   // In turns with the backward's planned collectives, where the backward's
   // take turns (in sequence); otherwise as kAfterPlannedCollectives.
   kInTurns = 2,
+  // At once: the backward's collectives go to a twin of their group, which
+  // the forward's never use (gloo groups only).
+  kBesideOnTwinGroups = 3,
 };
 
 // Each ForwardRule's name in overlap_microbatches' forward_collectives,
 // indexed by its value: the one list of them, which
 // torch_ext/microbatch_overlap.py reads (torch_ext._C._overlap_forward_rules).
-inline constexpr std::array<std::string_view, 3> kForwardRuleNames = {
+inline constexpr std::array<std::string_view, 4> kForwardRuleNames = {
     "after_backward_collectives",
     "after_backward",
-    "in_turns_with_backward_collectives"};
+    "in_turns_with_backward_collectives",
+    "beside_backward_collectives"};
 static_assert(
-    kForwardRuleNames.size() == static_cast<size_t>(ForwardRule::kInTurns) + 1);
+    kForwardRuleNames.size() ==
+    static_cast<size_t>(ForwardRule::kBesideOnTwinGroups) + 1);
 
 // One backward handed to the backward thread.
 struct HandedBackward final : CollectiveProgress {
   HandedBackward(int64_t microbatch, ForwardRule rule)
       : microbatch(microbatch),
         forward_waits_for_all(rule == ForwardRule::kAfterBackward),
-        forward_takes_turns(rule == ForwardRule::kInTurns) {}
+        forward_takes_turns(rule == ForwardRule::kInTurns),
+        on_twin_groups(rule == ForwardRule::kBesideOnTwinGroups) {}
 
   void planned(size_t count, bool in_turns) override;
   void may_start(size_t place) override;
@@ -75,7 +82,7 @@ struct HandedBackward final : CollectiveProgress {
   // turns, once the backward's has started one more than the forward has
   // issued.
   bool releases_forward() const {
-    if (finished) {
+    if (finished || on_twin_groups) {
       return true;
     }
     if (forward_waits_for_all || !planned_count.has_value()) {
@@ -100,6 +107,9 @@ struct HandedBackward final : CollectiveProgress {
   const bool forward_waits_for_all;
   // The forward asked to take turns with the backward's collectives.
   const bool forward_takes_turns;
+  // The backward's collectives go to the twins of their groups, and the two
+  // threads wait for each other's for nothing.
+  const bool on_twin_groups;
   std::optional<size_t> planned_count;
   // The two threads' collectives take turns: the forward asked to, and the
   // backward's wait for their turns (may_start).
@@ -130,6 +140,10 @@ struct Window {
   // The forward thread's observer of every op it dispatches
   // (collective_gate.h), removed when the window closes.
   std::optional<at::CallbackHandle> forward_observer;
+  // Under kBesideOnTwinGroups, the registered name of each group's twin, by
+  // the group's (HostCallbacks::twin_group_name, asked once per group and
+  // window: a window lives in one world, whose names do not change).
+  std::unordered_map<std::string, std::string> twin_names;
 };
 
 // The one window of the process.

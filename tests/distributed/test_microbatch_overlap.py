@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import torch_ext
+from torch_ext.collectives import twin_groups
 
 pytestmark = pytest.mark.distributed
 
@@ -124,13 +125,17 @@ def _train(rank: int, overlapped: bool, case: str) -> dict:
             parameter.register_post_accumulate_grad_hook(lambda p, name=name: hook_log.append(f"accumulated {name}"))
     result: dict = {"losses": [], "grads": [], "hooks": []}
     COLLECTIVE_LOG.clear()
+    # Collectives issued on the group and on its twin (the gloo backends count them): the twins case's backward
+    # ones go to the twin.
+    twin = twin_groups.TWINS.of(dist.group.WORLD)
+    issued_before = (dist.group.WORLD._get_sequence_number_for_group(), twin._get_sequence_number_for_group())
     for step in range(STEPS):
         torch.manual_seed(1000 * step + rank)
         batches = [torch.randn(2 * TOKENS, DIM, requires_grad=case == "reentrant") for _ in range(MICROBATCHES)]
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
         # Undeclared (the hooks case), the all_to_all's backward is a node the engine does not plan: the forward
         # waits for the whole backward.
-        rule = {"hooks": "after_backward", "in_turns": IN_TURNS, "late_forward": IN_TURNS}.get(
+        rule = {"hooks": "after_backward", "in_turns": IN_TURNS, "late_forward": IN_TURNS, "twins": TWINS}.get(
             case, "after_backward_collectives"
         )
         opened = torch_ext.overlap_microbatches(forward_collectives=rule) if overlapped else contextlib.nullcontext()
@@ -149,12 +154,16 @@ def _train(rank: int, overlapped: bool, case: str) -> dict:
     result["params"] = [p.detach().clone() for p in model.parameters()]
     result["hooks"] = hook_log
     result["collectives"] = list(COLLECTIVE_LOG)
+    issued_after = (dist.group.WORLD._get_sequence_number_for_group(), twin._get_sequence_number_for_group())
+    result["issued_on_group"], result["issued_on_twin"] = (b - a for a, b in zip(issued_before, issued_after))
     return result
 
 
 IN_TURNS = "in_turns_with_backward_collectives"
-# in_turns and late_forward: the forward's collectives take turns with the backward's.
-CASES = ("plain", "in_turns", "late_forward", "hooks", "autocast", "reentrant", "non_reentrant")
+TWINS = "beside_backward_collectives"
+# in_turns and late_forward: the forward's collectives take turns with the backward's; twins: the backward's go to a
+# twin of the group, beside the forward's.
+CASES = ("plain", "in_turns", "late_forward", "twins", "hooks", "autocast", "reentrant", "non_reentrant")
 
 
 def _run_bits(rank: int) -> dict:
@@ -210,7 +219,7 @@ def _overlapped_order(case: str) -> list[tuple[str, str]]:
     return (forward + in_turns * (MICROBATCHES - 1) + backward) * STEPS
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [case for case in CASES if case != "twins"])
 def test_collectives_run_in_one_order_on_every_rank(bits, case):
     for rank, result in enumerate(bits):
         stock, overlap = result[case]["stock"]["collectives"], result[case]["overlap"]["collectives"]
@@ -509,3 +518,28 @@ def test_the_functional_all_to_all_overlaps_with_stock_bits(tmp_path_factory):
     for rank, result in enumerate(results):
         for what in ("losses", "grads", "params"):
             assert_identical(result["overlap"][what], result["stock"][what], f"rank {rank} {what}")
+
+
+def test_twins_the_backward_issues_on_the_twin_beside_the_forward(bits):
+    """Under beside_backward_collectives each group keeps one thread's order: the forward's collectives on the
+    group, in program order, and the backward's on its twin, in the plan's; how the two interleave is left to
+    timing (rank 1's backward is late by design)."""
+    forward_per_microbatch, backward_per_microbatch = 6, 4
+    for rank, result in enumerate(bits):
+        stock, twins = result["twins"]["stock"], result["twins"]["overlap"]
+        sequential = _sequential_order()
+        for phase in ("F", "B"):
+            issued = [entry[:2] for entry in twins["collectives"] if entry[0] == phase]
+            assert issued == [entry for entry in sequential if entry[0] == phase], (rank, phase)
+        assert all(on_forward_thread == (phase == "F") for phase, _, on_forward_thread in twins["collectives"])
+        microbatches = MICROBATCHES * STEPS
+        assert (stock["issued_on_group"], stock["issued_on_twin"]) == (
+            (forward_per_microbatch + backward_per_microbatch) * microbatches,
+            0,
+        ), rank
+        assert (twins["issued_on_group"], twins["issued_on_twin"]) == (
+            forward_per_microbatch * microbatches,
+            backward_per_microbatch * microbatches,
+        ), rank
+        # Without the rule, every collective stays on the group.
+        assert result["plain"]["overlap"]["issued_on_twin"] == 0, rank

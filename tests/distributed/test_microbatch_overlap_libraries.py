@@ -65,6 +65,9 @@ def _record_thread(loss: torch.Tensor, threads: list[str]) -> None:
 
 
 IN_TURNS = "in_turns_with_backward_collectives"
+TWINS = "beside_backward_collectives"
+# Each overlapped variant a library's runs hold, by its forward_collectives.
+OVERLAPPED_VARIANTS = {"overlap": "after_backward_collectives", "overlap_in_turns": IN_TURNS, "overlap_twins": TWINS}
 
 
 def _train(
@@ -101,10 +104,10 @@ def _train(
 
 
 def _check_bits(results: list[dict], case: str) -> None:
-    """Every overlapped run (``overlap``, and ``overlap_in_turns`` where it ran) against stock's."""
+    """Every overlapped run (each of OVERLAPPED_VARIANTS that ran) against stock's."""
     for rank, result in enumerate(results):
         stock = result[case]["stock"]
-        for variant in ("overlap", "overlap_in_turns"):
+        for variant in OVERLAPPED_VARIANTS:
             if variant not in result[case]:
                 continue
             for what in ("losses", "grads", "params"):
@@ -245,8 +248,10 @@ def _run_megatron(rank: int) -> dict:
             "stock": _train(build, _megatron_loss, rank, overlapped=False),
             "overlap": _train(build, _megatron_loss, rank, overlapped=True),
             "splits": list(_SPLITS),
-            # The forward's collectives (the counts' all_gather, dispatch, combine) in turns with the backward's.
+            # The forward's collectives (the counts' all_gather, dispatch, combine) in turns with the backward's,
+            # and beside them with the backward's on the groups' twins.
             "overlap_in_turns": _train(build, _megatron_loss, rank, overlapped=True, rule=IN_TURNS),
+            "overlap_twins": _train(build, _megatron_loss, rank, overlapped=True, rule=TWINS),
         }
     parallel_state.destroy_model_parallel()
     return results
@@ -338,6 +343,7 @@ def _run_deepspeed_moe(rank: int) -> dict:
             "stock": _train(build, _deepspeed_loss, rank, overlapped=False),
             "overlap": _train(build, _deepspeed_loss, rank, overlapped=True),
             "overlap_in_turns": _train(build, _deepspeed_loss, rank, overlapped=True, rule=IN_TURNS),
+            "overlap_twins": _train(build, _deepspeed_loss, rank, overlapped=True, rule=TWINS),
         }
     return results
 

@@ -188,7 +188,7 @@ def _record_splits(model: nn.Module, splits: list) -> None:
     dispatcher.dispatch = recording
 
 
-def _train(parallel_dims, rank: int, overlapped: bool) -> dict:
+def _train(parallel_dims, rank: int, overlapped: bool, rule: str = "after_backward_collectives") -> dict:
     from torchtitan.distributed.utils import get_spmd_context
 
     torch.manual_seed(0)  # the same weights on both ranks (each keeps its experts' shard), in both runs
@@ -201,7 +201,7 @@ def _train(parallel_dims, rank: int, overlapped: bool) -> dict:
         for step in range(STEPS):
             torch.manual_seed(1000 * step + rank)  # the data, then dropout's draws, in forward order
             batches = [torch.randn(BATCH, SEQUENCE, DIM) for _ in range(MICROBATCHES)]
-            with torch_ext.overlap_microbatches() if overlapped else contextlib.nullcontext() as overlap:
+            with torch_ext.overlap_microbatches(rule) if overlapped else contextlib.nullcontext() as overlap:
                 for tokens in batches:
                     loss = model(tokens) / MICROBATCHES
                     result["losses"].append(loss.detach())
@@ -229,6 +229,8 @@ def _run_torchtitan(rank: int) -> dict:
     return {
         "stock": _train(parallel_dims, rank, overlapped=False),
         "overlap": _train(parallel_dims, rank, overlapped=True),
+        # The backward's all_to_all-v on the ep group's twin, beside the forward's.
+        "overlap_twins": _train(parallel_dims, rank, overlapped=True, rule="beside_backward_collectives"),
     }
 
 
@@ -244,8 +246,9 @@ def test_torchtitan_moe_bits_equal_stocks(torchtitan_results):
     for rank, result in enumerate(torchtitan_results):
         stock, overlap = result["stock"], result["overlap"]
         assert stock["shapes"]["moe.routed_experts.inner_experts.w1_EFD"] == (EXPERTS // 2, HIDDEN, DIM)
-        for what in ("losses", "grads", "params"):
-            assert_identical(overlap[what], stock[what], f"rank {rank} {what}")
+        for variant in ("overlap", "overlap_twins"):
+            for what in ("losses", "grads", "params"):
+                assert_identical(result[variant][what], stock[what], f"rank {rank} {variant} {what}")
         assert stock["threads"] == ["MainThread"] * calls, (rank, stock["threads"])
         assert overlap["threads"] == ["torch_ext-microbatch-backward"] * calls, (rank, overlap["threads"])
         # The real dispatcher: dispatch and combine through _AllToAllUneven, all_to_all-v with uneven splits.
