@@ -62,7 +62,7 @@ two microbatches at once, the only kind that can hide a synchronous forward all_
 machine. The larger of two bounds, from parts measured at the point: the compute on two threads plus the edges
 (microbatch 0's forward all_to_alls, with no backward beside them, and the last microbatch's backward ones, with
 no forward after them: about 1 / N_MICROBATCHES of stock's exposure), and the link's time for all the step's bytes
-(N_MICROBATCHES x T_comm), which at low compute outlasts the compute beside it. Each rule (lane, overlap, turns)
+(N_MICROBATCHES x T_comm), which at low compute outlasts the compute beside it. Each rule (lane, overlap, turns, twins)
 is then read as the fraction of the gap between stock's exposure and the limit it closes (``gap_closed``): 0 at
 stock's, 1 at the limit. On this 2-core machine two compute threads per rank cost more than one, which the limit
 counts.

@@ -11,6 +11,9 @@
 - **The order check** (``torch_ext.collectives.order_check``): with :func:`torch_ext.check_collective_order`
   on, the ranks compare the collectives each backward will issue before any starts, and every rank raises on
   a mismatch that would hang or mix up data; :func:`torch_ext.collective_check_count` counts the exchanges.
+- **Twin groups** (``torch_ext.collectives.twin_groups``): a gloo group of the same ranks as a group, on which a
+  backward running beside the next microbatch's forward issues that group's collectives under
+  ``overlap_microbatches(forward_collectives="beside_backward_collectives")``; made on first use, hang-free.
 - **The ops** are not here: torch_ext's collectives with autograd (:func:`torch_ext.ops.all_to_all_single`,
   :func:`torch_ext.ops.all_reduce` and the rest, ``torch.ops.torch_ext.*``) live in ``torch_ext.ops``, one
   public function per op beside its fake kernel and autograd formula, as every op of torch_ext does.

@@ -49,7 +49,10 @@ class TwinGroups:
     def of(self, group: Any) -> Any:
         """``group``'s twin, made now if this is its first use."""
         self._forget_another_world()
-        known = self._by_object.get(group)
+        try:
+            known = self._by_object.get(group)
+        except TypeError:  # not weakly referenceable: no process group
+            known = None
         if known is not None:
             return known
         rank_of = dist.distributed_c10d._world.pg_group_ranks.get(group)
