@@ -35,3 +35,18 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_rank_world():
+    """A one-rank gloo world for the test (an in-memory store), torn down after it with the order check off."""
+    import torch.distributed as dist
+
+    import torch_ext  # here, not at the top: conftest loads before any test chooses how torch_ext is imported
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch_ext.check_collective_order(False)
+        dist.destroy_process_group()

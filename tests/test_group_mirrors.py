@@ -50,16 +50,6 @@ def test_a_large_group_is_described_shortened():
     assert described == "ranks [0, 8, 16, 24, 32, 40, 48, 56, ..., 8176, 8184] (1024 ranks)"
 
 
-@pytest.fixture
-def one_rank_world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        torch_ext.check_collective_order(False)
-        dist.destroy_process_group()
-
-
 def test_a_mirror_is_made_at_a_groups_first_use_once_per_rank_list(one_rank_world):
     registry = order_check._MIRRORS
     registry.forget_another_world()

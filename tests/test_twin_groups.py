@@ -13,15 +13,6 @@ import torch.distributed._functional_collectives as funcol
 from torch_ext.collectives.twin_groups import TwinGroups
 
 
-@pytest.fixture
-def one_rank_world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_twin_is_a_registered_gloo_group_of_the_same_ranks_made_once(one_rank_world):
     twins = TwinGroups()
     world = dist.group.WORLD

@@ -74,6 +74,22 @@ def group_id(ranks: tuple[int, ...]) -> int:
     return int.from_bytes(hashlib.blake2b(repr(ranks).encode(), digest_size=8).digest(), "little", signed=True)
 
 
+def store_key(ranks: tuple[int, ...]) -> str:
+    """The group's id as the store prefixes and names of the groups torch_ext makes of it (mirrors, twins) spell it:
+    16 hex digits."""
+    return f"{group_id(ranks) & (2**64 - 1):016x}"
+
+
+def member_ranks(group: Any) -> tuple[int, ...] | None:
+    """``group``'s global ranks, in group-rank order; None for an object torch.distributed does not know as a group
+    of this rank (a backend made by hand, a group this rank is not in)."""
+    # A rank outside a group made with new_group is registered under the NON_GROUP_MEMBER sentinel.
+    rank_of = dist.distributed_c10d._world.pg_group_ranks.get(group) if isinstance(group, dist.ProcessGroup) else None
+    if rank_of is None or dist.get_rank() not in rank_of:
+        return None
+    return tuple(sorted(rank_of, key=rank_of.__getitem__))
+
+
 class GroupMirrors:
     """Every group this rank's checked collectives used: its :class:`Group`, by the process group object."""
 
@@ -93,17 +109,13 @@ class GroupMirrors:
             return None
         if known is not None:
             return known
-        # A rank outside a group made with new_group is registered under the NON_GROUP_MEMBER sentinel.
-        rank_of = (
-            dist.distributed_c10d._world.pg_group_ranks.get(group) if isinstance(group, dist.ProcessGroup) else None
-        )
-        if rank_of is None or dist.get_rank() not in rank_of:
+        ranks = member_ranks(group)
+        if ranks is None:
             return None
-        ranks = tuple(sorted(rank_of, key=rank_of.__getitem__))
         known = self._by_ranks.get(ranks)
         if known is None:
             identity = group_id(ranks)
-            prefix = f"{_STORE_PREFIX}/{identity & (2**64 - 1):016x}/"
+            prefix = f"{_STORE_PREFIX}/{store_key(ranks)}/"
             mirror = _lazily_connected_gloo(
                 dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store()),
                 ranks.index(dist.get_rank()),

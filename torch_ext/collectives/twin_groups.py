@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_ext.collectives.group_mirrors import _lazily_connected_gloo, _timeout_of, group_id
+from torch_ext.collectives.group_mirrors import _lazily_connected_gloo, _timeout_of, member_ranks, store_key
 
 # The store prefix of every twin, and the start of its registered name: torch.distributed's own groups are
 # named by numbers or rank hashes, never this.
@@ -55,8 +55,8 @@ class TwinGroups:
             known = None
         if known is not None:
             return known
-        rank_of = dist.distributed_c10d._world.pg_group_ranks.get(group)
-        if rank_of is None or dist.get_rank() not in rank_of:
+        ranks = member_ranks(group)
+        if ranks is None:
             raise RuntimeError(f"torch_ext: {group!r} is not a process group of this rank: it can have no twin")
         backend = dist.get_backend(group)
         if backend != dist.Backend.GLOO:
@@ -67,7 +67,6 @@ class TwinGroups:
                 "forward_collectives='after_backward_collectives' (the default) or "
                 "'in_turns_with_backward_collectives'"
             )
-        ranks = tuple(sorted(rank_of, key=rank_of.__getitem__))
         twin = self._by_ranks.get(ranks)
         if twin is None:
             twin = self._by_ranks[ranks] = _make_twin(ranks, _timeout_of(group))
@@ -98,7 +97,7 @@ class TwinGroups:
 
 
 def _make_twin(ranks: tuple[int, ...], timeout: Any) -> Any:
-    identity = f"{group_id(ranks) & (2**64 - 1):016x}"
+    identity = store_key(ranks)
     store = dist.PrefixStore(f"{_PREFIX}/{identity}/", dist.distributed_c10d._get_default_store())
     rank, size = ranks.index(dist.get_rank()), len(ranks)
     twin = dist.ProcessGroup(store, rank, size)
