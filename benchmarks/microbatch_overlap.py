@@ -61,11 +61,22 @@ The limit, per point (``exposure_limit``, which derives it): the least exposed c
 two microbatches at once, the only kind that can hide a synchronous forward all_to_all, could reach on this
 machine. The larger of two bounds, from parts measured at the point: the compute on two threads plus the edges
 (microbatch 0's forward all_to_alls, with no backward beside them, and the last microbatch's backward ones, with
-no forward after them: about 1 / N_MICROBATCHES of stock's exposure), and the link's time for all the step's bytes
-(N_MICROBATCHES x T_comm), which at low compute outlasts the compute beside it. Each rule (lane, overlap, turns, twins)
-is then read as the fraction of the gap between stock's exposure and the limit it closes (``gap_closed``): 0 at
-stock's, 1 at the limit. On this 2-core machine two compute threads per rank cost more than one, which the limit
-counts.
+no forward after them: about 1 / N_MICROBATCHES of stock's exposure) plus the CPU time the communication itself
+takes (stock's above its compute step, which any order of the same collectives spends on a rank's one core), and
+the link's time for all the step's bytes (N_MICROBATCHES x T_comm), which at low compute outlasts the compute
+beside it. Each rule (lane, overlap, turns, twins) is then read as the fraction of the gap between stock's exposure
+and the limit it closes (``gap_closed``): 0 at stock's, 1 at the limit. On this 2-core machine two compute threads
+per rank cost more than one, which the limit counts.
+
+Traces (--timeline PNG): after timing the point nearest x1, each rank runs TRACED_STEPS more steps of each
+overlapped rule it timed, under ``torch_ext.trace()`` with the forward thread's waits recorded (its all_to_alls,
+the hand-overs, the close), and the table splits each rank's traced exposure (``_step_split``): the time some
+compute thread (the forward's or the backward's) was busy above the rank's compute step, and the time both waited,
+at the leading edge, the trailing edge and in between. Only the last is time an order of the same work could
+still fill. Beside it, the kernel's counts of the step's threads (``/proc/self/task/*/schedstat``): the compute
+threads' time on a core and ready with none free, and the other threads' time on a core (gloo's, the lanes').
+``trace +``, the traced step less the rank's untraced median, shows whether tracing changed the step. Rank 0
+draws its first traced step of each rule.
 
 CPU time: each variant's step also records the CPU time its process used (``time.process_time``, every thread),
 and the table's ``cpu +ms`` is that above the same repetition's ``compute`` step's. With two ranks on two cores, a
@@ -73,7 +84,11 @@ rank has about one core: CPU time a variant adds cannot hide behind anything, on
 prints that part of the exposure.
 
 A quick run (--quick) times pre-path alone, without turns, twins and compute_overlapped (``QUICK_SHAPES``,
-``QUICK_LEFT_OUT``), so it prints no limit; a full run times every shape and variant.
+``QUICK_LEFT_OUT``), so it prints no limit; a full run times every shape and variant. --shapes picks the shapes;
+--ratios 1 --dense-layers N times one point at a fixed depth, so that runs compare the same work: T_comm's
+calibration on the shaped link reads one of two rates from run to run (dispatch-first: 62 or 129 ms a
+microbatch in two runs minutes apart, the depth at x1 16 or 31 layers), though stock's exposure at either depth
+read the same (741 and 750 ms a step).
 
 The figures (each rule's runs, what was traced, the CPU costs) are in docs/benchmarks.md, "Overlap across
 microbatches", and docs/guides/moe.md, with the runs that made them.
@@ -85,13 +100,17 @@ over the step, against stock's, whose peak is one microbatch's graph (the overla
 next forward's, beside the backward in flight). Before timing, one step of each engine variant must give
 torch.equal gradients to stock's.
 
-    python benchmarks/microbatch_overlap.py [--quick] [--reps N] [--ratios 0.5,1,2] [--network ...] [--out CSV]
+    python benchmarks/microbatch_overlap.py [--quick] [--reps N] [--ratios 0.5,1,2] [--shapes pre-path,dispatch-first]
+        [--dense-layers N] [--network ...] [--timeline PNG] [--out CSV]
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
+import math
+import os
 import statistics
 import sys
 import threading
@@ -104,6 +123,7 @@ import torch
 import torch.distributed as dist
 from _common import (
     CALIBRATION_S,
+    HEADLINE_RATIO,
     Summary,
     SummaryRow,
     SweepConfig,
@@ -119,6 +139,7 @@ from _common import (
     merge_ranks,
     parse_sweep_args,
     print_load,
+    progress,
     run_sweep,
     summarize,
     sweep_case,
@@ -132,6 +153,7 @@ from _common import (
     write_csv,
 )
 from _hosts import agreed_max
+from _step_split import minus, split_step, thread_times, threads_schedstat
 from moe_sync import LIBRARY_NAMES, _identity, installed_libraries, library_all_to_all
 from torch import nn
 
@@ -284,6 +306,11 @@ class ModelShape:
     moe_layers: int
     # (all_to_all, dense layers) -> the model.
     build: Callable[[Callable, int], nn.Module]
+
+    @property
+    def option_name(self) -> str:
+        """Its name in ``--shapes``."""
+        return self.case_name or "pre-path"
 
     def case_prefix(self, library: str) -> str:
         """The CSV's case of this shape's T_comm, and of its sweep points before `` x<ratio>``."""
@@ -454,14 +481,138 @@ def _saved_peak(model: nn.Module, batches, variant: str, function: type) -> dict
     return {"saved_peak_bytes": counter.peak, "one_microbatch_bytes": one_microbatch}
 
 
+# --- traces (--timeline) ----------------------------------------------------------------------------------
+
+# Steps traced per rule at the traced point: the split's parts are medians over them. Five: one step's exposure is
+# not a figure to read (twins at x1 of dispatch-first, 10 timed steps: p20-p80 333-429 ms about a median of 391),
+# and each rule's steps add about 8 s to a run.
+TRACED_STEPS = 5
+
+
+def _traced_step(model: nn.Module, optimizer, batches, variant: str, function: type) -> tuple[dict, list[dict]]:
+    """One step of an overlapped ``variant`` as ``_step`` times it, under ``torch_ext.trace()``, with the forward
+    thread's waits recorded (its all_to_alls, the hand-overs, the close): its ``_step_split.split_step`` and its
+    CPU time, in ms, and its events (the trace's, and the forward thread's as ``collective_wait`` spans and one
+    ``node`` per busy stretch) for the timeline."""
+    forward_waits: list[tuple[str, int, int]] = []
+    all_to_all = model.all_to_all
+
+    def timed_all_to_all(group, tokens):
+        start = time.perf_counter_ns()
+        try:
+            return all_to_all(group, tokens)
+        finally:
+            forward_waits.append(("all_to_all", start, time.perf_counter_ns()))
+
+    def waited(name: str, call: Callable[[], object]) -> int:
+        start = time.perf_counter_ns()
+        call()
+        end = time.perf_counter_ns()
+        forward_waits.append((name, start, end))
+        return end
+
+    model.all_to_all = timed_all_to_all
+    dist.barrier()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch_ext.trace() as trace:
+            start = time.perf_counter_ns()
+            cpu_start = time.process_time()
+            threads_at_start = threads_schedstat()
+            optimizer.zero_grad(set_to_none=True)
+            with variant_engine(variant, function):
+                overlap = torch_ext.overlap_microbatches(OVERLAPPED_VARIANTS[variant])
+                try:
+                    for tokens in batches:
+                        loss = model(tokens)
+                        last_hand_over_end = waited("hand-over", lambda loss=loss: overlap.backward(loss))
+                        del loss
+                    waited("last backward", overlap.wait)
+                    # The backward thread ends with the window: its counts now.
+                    threads_before_close = threads_schedstat()
+                    waited("close", overlap.close)
+                finally:
+                    overlap.close()
+            optimizer.step()
+            end = time.perf_counter_ns()
+            cpu_s = time.process_time() - cpu_start
+            threads_at_end = threads_schedstat()
+    finally:
+        model.all_to_all = all_to_all
+        if gc_was_enabled:
+            gc.enable()
+    events = [dict(event) for event in trace.events]
+    calls = [e for e in events if e["kind"] == "backward"]
+    backward_threads = {e["thread"] for e in calls}
+    split = split_step(
+        (start, end),
+        [(s, e) for _, s, e in forward_waits],
+        [(e["start_ns"], e["end_ns"]) for e in calls],
+        [
+            (e["start_ns"], e["end_ns"])
+            for e in events
+            if e["kind"] == "collective_wait" and e["thread"] in backward_threads
+        ],
+        last_hand_over_end,
+    )
+    forward_thread = threading.get_native_id()
+    threads = thread_times(
+        threads_at_start, {**threads_before_close, **threads_at_end}, {forward_thread, *backward_threads}
+    )
+    events += [
+        {"kind": "collective_wait", "name": name, "start_ns": s, "end_ns": e, "thread": forward_thread}
+        for name, s, e in forward_waits
+    ]
+    events += [
+        {"kind": "node", "name": "forward thread", "start_ns": s, "end_ns": e, "thread": forward_thread}
+        for s, e in minus((start, end), [(s, e) for _, s, e in forward_waits])
+    ]
+    parts = {name: value / 1e6 for name, value in vars(split).items()}
+    parts.update({name: value / 1e6 for name, value in vars(threads).items()})
+    return {**{name.removesuffix("_ns") + "_ms": v for name, v in parts.items()}, "cpu_ms": cpu_s * 1e3}, events
+
+
+def _traced_rules(model, optimizer, batches, function, config: SweepConfig) -> tuple[dict, dict]:
+    """TRACED_STEPS traced steps (``_traced_step``) of each overlapped rule this run times, the rules alternating:
+    ``({rule: {part: [ms per step]}}, {rule: the first step's events})``."""
+    rules = [v for v in timed_variants(config, RULES, QUICK_LEFT_OUT) if v in OVERLAPPED_VARIANTS]
+    splits: dict[str, dict[str, list[float]]] = {rule: {} for rule in rules}
+    first_events: dict[str, list[dict]] = {}
+    for _ in range(TRACED_STEPS):
+        for rule in rules:
+            parts, events = _traced_step(model, optimizer, batches, rule, function)
+            for name, value in parts.items():
+                splits[rule].setdefault(name, []).append(value)
+            first_events.setdefault(rule, events)
+    return splits, first_events
+
+
+def _write_timeline(first_events: dict[str, list[dict]], png_path: str, title: str) -> None:
+    """Rank 0's first traced step of each rule, one row of threads each, as a PNG and its events beside it
+    (``.json``)."""
+    from torch_ext.tracing import plot_timelines
+
+    directory = os.path.dirname(png_path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    rows = list(first_events.items())
+    with open(os.path.splitext(png_path)[0] + ".json", "w") as f:
+        json.dump([{"label": label, "events": events} for label, events in rows], f, indent=1)
+    plot_timelines(rows, png_path, title=title)
+    progress(f"{NAME}: wrote {png_path} and its events beside it (.json)")
+
+
 def _microbatches(rank: int, seed: int) -> list[torch.Tensor]:
     torch.manual_seed(1000 * seed + rank)
     return [torch.randn(ROWS, DIM) for _ in range(N_MICROBATCHES)]
 
 
-def _run_shape(library: str, shape: ModelShape, config: SweepConfig, t_layer: float) -> dict:
+def _run_shape(
+    library: str, shape: ModelShape, config: SweepConfig, t_layer: float, dense_layers_pinned: int | None
+) -> dict:
     """``shape``'s T_comm, then its sweep: per point, the bits checked, the activations counted, the variants
-    timed."""
+    timed. ``dense_layers_pinned`` (--dense-layers): the one point's dense layers, whatever T_comm reads."""
     rank = dist.get_rank()
     all_to_all, function = library_all_to_all(library)
     batches = _microbatches(rank, 0)
@@ -479,9 +630,11 @@ def _run_shape(library: str, shape: ModelShape, config: SweepConfig, t_layer: fl
 
     comm_s = calibrate_t_comm(probe_step)
     t_comm = statistics.median(comm_s)
+    # --timeline traces the point nearest the headline's.
+    traced_ratio = min(config.ratios, key=lambda r: abs(math.log(r / HEADLINE_RATIO)))
     points = []
     for ratio in config.ratios:
-        dense_layers = sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS * shape.moe_layers)
+        dense_layers = dense_layers_pinned or sweep_depth(ratio, t_comm, t_layer, MAX_DENSE_LAYERS * shape.moe_layers)
         torch.manual_seed(rank)
         model = shape.build(all_to_all, dense_layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -493,16 +646,40 @@ def _run_shape(library: str, shape: ModelShape, config: SweepConfig, t_layer: fl
         samples = timed_repetitions(
             timed_variants(config, TIMED_VARIANTS, QUICK_LEFT_OUT), measure, config.reps, config.warmup
         )
-        points.append({"ratio": ratio, "dense_layers": dense_layers, "samples": samples, "memory": memory})
+        point = {"ratio": ratio, "dense_layers": dense_layers, "samples": samples, "memory": memory}
+        if config.timeline_png is not None and ratio == traced_ratio:
+            point["trace"] = _trace_point(model, optimizer, batches, function, config, samples, shape, dense_layers)
+        points.append(point)
     return {"comm_s": comm_s, "t_layer": t_layer, "points": points}
 
 
-def _run_rank(library: str, config: SweepConfig) -> dict:
+def _trace_point(model, optimizer, batches, function, config: SweepConfig, samples, shape, dense_layers) -> dict:
+    """--timeline at a point: each rule's traced steps (``_traced_rules``), with this rank's own compute step and
+    its CPU time (medians, ms) to read them against; rank 0 draws its first step of each."""
+    splits, first_events = _traced_rules(model, optimizer, batches, function, config)
+    if dist.get_rank() == 0:
+        stem, extension = os.path.splitext(config.timeline_png)
+        png = config.timeline_png if shape is PRE_PATH else f"{stem}_{shape.case_name}{extension}"
+        title = f"{shape.title}: one step a rule on rank 0 ({N_MICROBATCHES} microbatches, {dense_layers} dense layers)"
+        try:
+            _write_timeline(first_events, png, title)
+        except OSError as error:
+            progress(f"{NAME}: warning: could not write the timeline {png}: {error!r}")
+    return {
+        "splits": splits,
+        "untraced_ms": {rule: statistics.median(samples[rule]["step_s"]) * 1e3 for rule in splits},
+        "compute_ms": statistics.median(samples["compute"]["step_s"]) * 1e3,
+        "compute_cpu_ms": statistics.median(samples["compute"]["cpu_s"]) * 1e3,
+    }
+
+
+def _run_rank(library: str, config: SweepConfig, shapes: Sequence[ModelShape], dense_layers_pinned: int | None) -> dict:
     """One rank's part, in the process group: its times per shape, sweep point and variant, under each shape's
     ``case_prefix``."""
     t_layer = agreed_max(dense_layer_backward_s(DIM, ROWS, config.calibration_reps, CALIBRATION_S))
-    shapes = QUICK_SHAPES if config.quick else SHAPES
-    return {shape.case_prefix(library): _run_shape(library, shape, config, t_layer) for shape in shapes}
+    return {
+        shape.case_prefix(library): _run_shape(library, shape, config, t_layer, dense_layers_pinned) for shape in shapes
+    }
 
 
 def _exposed(samples: dict, variant: str, metric: str) -> list[float]:
@@ -527,6 +704,9 @@ class ExposureLimit:
     edges_ms: float
     # compute_overlapped's step - the same repetition's compute step: what two threads cost the compute.
     two_threads_ms: float
+    # The CPU time the communication takes beyond the edges': stock's CPU time above its compute step's, less the
+    # edges' share (1 / N_MICROBATCHES of it, in edges_ms already). 0 in a CSV from before CPU time was measured.
+    comm_cpu_ms: float
     # N_MICROBATCHES x T_comm: the link's time for all the step's bytes.
     link_ms: float
     # The compute step, serial: what a step's exposure is measured from.
@@ -534,7 +714,14 @@ class ExposureLimit:
 
     @property
     def exposed_ms(self) -> float:
-        return max(self.edges_ms + self.two_threads_ms, self.link_ms - self.compute_ms)
+        return max(self.edges_ms + self.two_threads_ms + self.comm_cpu_ms, self.link_ms - self.compute_ms)
+
+    def parts(self) -> str:
+        """How ``exposed_ms`` is made, for the table and the summary's notes."""
+        return (
+            f"max(edges {self.edges_ms:.1f} + two threads {self.two_threads_ms:.1f} + the communication's CPU "
+            f"{self.comm_cpu_ms:.1f}, link {self.link_ms:.1f} - compute {self.compute_ms:.1f})"
+        )
 
 
 def exposure_limit(rows: dict, case: str) -> ExposureLimit | None:
@@ -551,14 +738,20 @@ def exposure_limit(rows: dict, case: str) -> ExposureLimit | None:
       forward all_to_alls (no backward is in flight yet) and the last microbatch's backward ones (no forward comes
       after it). E = one microbatch's forward exposure + one microbatch's backward exposure, each phase's exposure
       over the step / N_MICROBATCHES, the lesser of stock's and the lane's (the lane hides a backward's
-      all_to_alls behind its own dense path, which the last backward can do too). Step >= C2 + E, so
-      exposure >= E + (C2 - C).
+      all_to_alls behind its own dense path, which the last backward can do too). And the communication takes CPU
+      time of its own (gloo's threads, the library's Python around each all_to_all, the lanes), which on a rank's
+      one core no order can hide behind compute that already fills it: P, stock's CPU time above its compute
+      step's (``cpu_added_ms``), less the edges' share, P / N_MICROBATCHES, which E holds already. Step >= C2 + E +
+      P (N_MICROBATCHES - 1) / N_MICROBATCHES, so exposure >= E + (C2 - C) + P (N_MICROBATCHES - 1) /
+      N_MICROBATCHES. (--timeline's traces of the rules at x1 found no other part: where both compute threads
+      waited, between the edges, was under 0.01 of stock's exposure for twins.)
     - The link. Every byte of the step crosses it: L = N_MICROBATCHES x T_comm, T_comm the shape's wait for one
       microbatch's all_to_alls with no dense layer. Step >= L, so exposure >= L - C.
 
     The limit is the larger. What it leaves out would raise it: the compute before the first all_to_all and after
-    the last (a projection's), and, in the link's bound, the CPU time the communication itself takes (gloo's
-    threads on a rank's one core). What would lower L: T_comm, the all_to_alls one at a time, holds each one's
+    the last (a projection's), and, in the link's bound, the communication's CPU time. What would lower it: P, if
+    part of stock's CPU time above compute were not the communication's own (the all_to_alls are the only
+    difference between the two steps), and in L, T_comm: timed one all_to_all at a time, it holds each one's
     latency, which two in flight at once could share.
     """
     if ("compute_overlapped", case, "added_ms") not in rows:
@@ -571,9 +764,11 @@ def exposure_limit(rows: dict, case: str) -> ExposureLimit | None:
         min(median(variant, f"{phase}_exposed_ms") for variant in ("stock", "lane"))
         for phase in ("forward", "backward")
     )
+    comm_cpu = rows.get(("stock", case, "cpu_added_ms"))
     return ExposureLimit(
         edges_ms=edges / N_MICROBATCHES,
         two_threads_ms=median("compute_overlapped", "added_ms"),
+        comm_cpu_ms=0.0 if comm_cpu is None else comm_cpu["median"] * (N_MICROBATCHES - 1) / N_MICROBATCHES,
         link_ms=N_MICROBATCHES * median("comm", "t_comm_ms", case.rpartition(" x")[0]),
         compute_ms=median("compute", "step_ms"),
     )
@@ -686,6 +881,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
             if limit is not None:
                 for metric, value in (
                     ("edges_ms", limit.edges_ms),
+                    ("comm_cpu_ms", limit.comm_cpu_ms),
                     ("link_ms", limit.link_ms),
                     ("limit_exposed_ms", limit.exposed_ms),
                 ):
@@ -699,6 +895,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
                     f"{' '.join([*cells, *gap])}"
                 )
             print(f"{'':12} measured ratio (compute-only backward / T_comm) {ratio:.2f}")
+            _print_trace_split([r[prefix]["points"][index].get("trace") for r in results], stock_exposed * 1e3)
             print(
                 f"{'':12} one microbatch's activations {one_microbatch / 2**20:.1f} MiB: stock + one microbatch = "
                 f"{(stock_saved + one_microbatch) / stock_saved:.2f} x stock's peak"
@@ -706,8 +903,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
             if limit is not None:
                 print(
                     f"{'':12} limit: exposed {limit.exposed_ms:.1f} ms, {limit.exposed_ms / 1e3 / stock_exposed:.2f} "
-                    f"of stock's = max(edges {limit.edges_ms:.1f} + two threads {limit.two_threads_ms:.1f}, link "
-                    f"{limit.link_ms:.1f} - compute {limit.compute_ms:.1f})"
+                    f"of stock's = {limit.parts()}"
                 )
     if load is not None:
         rows.append(csv_row("machine", NAME, link, "runnable_tasks", load, sha))
@@ -715,6 +911,39 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
     write_csv(out, rows)
     print(f"wrote {out}")
     print_summary(summary_rows(_rows_by_key(rows)))
+
+
+def _print_trace_split(traces: Sequence[dict | None], stock_exposed_ms: float) -> None:
+    """--timeline's split of each rank's traced steps (``_step_split``), medians over the steps, in ms. A step's
+    exposure (the traced step - the rank's own compute step) is the time some compute thread was busy above the
+    compute step (``busy +``) and the time both compute threads waited: at the leading edge, in the middle, at the
+    trailing edge. Beside it, what the kernel counted: the compute threads' time on a core above the compute
+    step's CPU time (``on core +``), their time ready with no core free (``ready``, the two threads' summed: while
+    one runs the other is often ready, so it is not all time lost), the other threads' time on a core (``others``:
+    gloo's, the lanes'), and the trace's own cost (``trace +``: the traced step - the rank's
+    untraced median)."""
+    if any(trace is None for trace in traces):
+        return
+    print(
+        f"{'':12} traced ({TRACED_STEPS} steps a rule, medians, ms): exposed = the traced step - the rank's compute "
+        "step = busy + + idle (leading, middle, trailing); the compute threads' on core + and ready, the others' on core"
+    )
+    print(
+        f"{'':12} {'rank':>4} {'rule':<8} {'step':>7} {'trace +':>7} {'exposed':>7} {'/stock':>6} {'busy +':>6} "
+        f"{'leading':>7} {'middle':>6} {'trailing':>8} {'on core +':>9} {'ready':>6} {'others':>6}"
+    )
+    for rank, trace in enumerate(traces):
+        for rule, parts in trace["splits"].items():
+            median = {name: statistics.median(values) for name, values in parts.items()}
+            exposed = median["step_ms"] - trace["compute_ms"]
+            print(
+                f"{'':12} {rank:4d} {rule:<8} {median['step_ms']:7.1f} "
+                f"{median['step_ms'] - trace['untraced_ms'][rule]:7.1f} {exposed:7.1f} {exposed / stock_exposed_ms:6.2f} "
+                f"{median['busy_ms'] - trace['compute_ms']:6.1f} {median['idle_leading_ms']:7.1f} "
+                f"{median['idle_middle_ms']:6.1f} {median['idle_trailing_ms']:8.1f} "
+                f"{median['compute_threads_on_core_ms'] - trace['compute_cpu_ms']:9.1f} "
+                f"{median['compute_threads_ready_ms']:6.1f} {median['other_threads_on_core_ms']:6.1f}"
+            )
 
 
 def print_summary(rows: Sequence[SummaryRow]) -> None:
@@ -772,8 +1001,31 @@ def _rows_by_key(rows: Sequence[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = sweep_parser(__doc__, NAME, quick_help="fewer repetitions and sweep points")
+    parser = sweep_parser(
+        __doc__,
+        NAME,
+        quick_help="fewer repetitions and sweep points",
+        timeline_help="after timing the point nearest x1, trace steps of each overlapped rule, print where their "
+        "exposure goes and draw rank 0's first of each (dispatch-first's beside it, named _dispatch-first)",
+    )
+    parser.add_argument(
+        "--shapes",
+        type=_parse_shapes,
+        help="the shapes to time, separated by commas: "
+        f"{', '.join(shape.option_name for shape in SHAPES)} (default: {QUICK_SHAPES[0].option_name} in a quick "
+        "run, both in a full one)",
+    )
+    parser.add_argument(
+        "--dense-layers",
+        type=int,
+        metavar="N",
+        help="with one ratio: N dense layers a microbatch, whatever T_comm's calibration reads, so that runs "
+        "compare the same work (the link here reads one all_to_all at ~8 or ~16 ms from run to run)",
+    )
     args = parse_sweep_args(parser, argv)
+    if args.dense_layers is not None and (args.dense_layers < 1 or args.ratios is None or len(args.ratios) != 1):
+        parser.error("--dense-layers takes a positive number of layers and one --ratios point, the one it names")
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     library = installed_library()
     if library is None:
         print(
@@ -787,9 +1039,26 @@ def main(argv: list[str] | None = None) -> int:
     config = sweep_config(args, NAME, quick_reps=10, reps=15)
     announce = (
         f"{NAME}: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, {library}, {N_MICROBATCHES} microbatches, "
-        f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
+        f"{', '.join(shape.option_name for shape in shapes)}, ratios {','.join(f'{r:g}' for r in config.ratios)}, "
+        f"{config.reps} repetitions"
     )
-    return run_sweep(__file__, args, argv, lambda: _run_rank(library, config), report, announce)
+    return run_sweep(
+        __file__, args, argv, lambda: _run_rank(library, config, shapes, args.dense_layers), report, announce
+    )
+
+
+def _parse_shapes(text: str) -> tuple[ModelShape, ...]:
+    """``--shapes``: shapes' ``option_name``s separated by commas (an argparse ``type``)."""
+    import argparse
+
+    by_name = {shape.option_name: shape for shape in SHAPES}
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in by_name]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown shape {', '.join(map(repr, unknown)) or repr(text)}; the shapes: {', '.join(by_name)}"
+        )
+    return tuple(dict.fromkeys(by_name[name] for name in names))
 
 
 # --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------
@@ -886,8 +1155,7 @@ def summary_rows(rows: dict) -> list[SummaryRow]:
                 )
                 notes += (
                     f"; limit of an overlapped order {limit.exposed_ms:.1f} ms, {values['limit_fraction']:.2f} of "
-                    f"stock's exposed = max(edges {limit.edges_ms:.1f} + two threads {limit.two_threads_ms:.1f}, "
-                    f"link {limit.link_ms:.1f} - compute {limit.compute_ms:.1f}), by ratio "
+                    f"stock's exposed = {limit.parts()}, by ratio "
                     + ", ".join(f"x{ratio:g}: {f:.2f}" for (ratio, _), f in zip(points, limit_fractions, strict=True))
                 )
             if has_limit and variant in RULES:
