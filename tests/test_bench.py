@@ -325,22 +325,13 @@ def test_stock_backward_events_in_the_trace_format(monkeypatch):
     assert not any(e["collective"] for e in events)
 
 
-@pytest.fixture
-def single_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
-def test_stock_backward_events_mark_the_collective_and_its_wait(monkeypatch, single_rank_group):
+def test_stock_backward_events_mark_the_collective_and_its_wait(monkeypatch, one_rank_world):
     monkeypatch.syspath_prepend(str(bench.benchmarks_dir()))
     import overlap
     import torch.distributed._functional_collectives as funcol
 
     rows = torch.randn(8, 4, requires_grad=True)
-    exchanged = funcol.all_to_all_single_autograd(rows * 2.0, None, None, single_rank_group)
+    exchanged = funcol.all_to_all_single_autograd(rows * 2.0, None, None, dist.group.WORLD)
     all_to_all_node = exchanged.grad_fn.next_functions[0][0]
     events = overlap.stock_backward_events(torch.relu(exchanged).sum())
 

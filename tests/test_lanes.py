@@ -80,11 +80,24 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+# How long a joined lane thread's /proc/self/task entry may outlive the join. The join returns once the kernel has
+# cleared the thread's tid word, a step of its exit before the task is released: in one CI run (2 busy cores) the
+# entry was still listed right after backward returned. A leaked thread never goes, so waiting cannot hide one.
+THREAD_EXIT_GRACE_S = 5.0
+
+
 def lanes_joined() -> bool:
-    """Whether every lane thread a lane node ran on has ended. Not a count of the process's threads: another test's
-    background thread (a pool starting late) can come or go meanwhile, which once read 15 threads against 14."""
-    alive = {int(tid) for tid in os.listdir("/proc/self/task")}
-    return bool(lane_native_ids) and not (lane_native_ids & alive)
+    """Whether every lane thread a lane node ran on has ended (within THREAD_EXIT_GRACE_S). Not a count of the
+    process's threads: another test's background thread (a pool starting late) can come or go meanwhile, which once
+    read 15 threads against 14."""
+    if not lane_native_ids:
+        return False
+    deadline = time.monotonic() + THREAD_EXIT_GRACE_S
+    while lane_native_ids & {int(tid) for tid in os.listdir("/proc/self/task")}:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def _hooks_by_label(log):
