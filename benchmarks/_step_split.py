@@ -4,12 +4,13 @@ thread (the caller's) and its backward thread.
 A rank of the benchmark has about one core. At any moment of a step, either a compute thread runs (or is ready
 to run) or both wait: the forward thread in a collective, in the hand-over (``MicrobatchOverlap.backward`` waiting
 for the backward in flight) or in the window's close; the backward thread in a collective's wait or between two
-backwards. Only the time both wait can an order of work still fill; the rest is compute, whatever order.
+backwards. Only the time both wait can an order of work still fill; the busy time stays, whatever the order.
 
 ``split_step`` sorts a traced step's time so:
 
-  busy              some compute thread outside its waits: the compute itself, what two threads cost it, and the
-                    CPU time the communication takes on the same core (gloo's threads, the lanes' Python)
+  busy              some compute thread outside its recorded waits: the compute itself, what two threads cost it,
+                    the CPU time the communication takes on the same core (gloo's threads, the lanes), and any
+                    time a compute thread is blocked where the trace records no wait (a lock)
   idle, leading     both wait before the first backward starts: microbatch 0's forward collectives, with no
                     backward beside them
   idle, trailing    both wait after the last forward has handed its backward over: the last backward's
@@ -118,27 +119,28 @@ def threads_schedstat() -> dict[int, tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class ThreadTimes:
-    """Where a step's threads spent it, in ns (``thread_times``)."""
+class ComputeThreadTimes:
+    """Where a step's compute threads spent it, in ns (``compute_thread_times``). The other threads' time on a core
+    is the process's CPU time less the first: a lane's thread can end within the step, and ``threads_schedstat``
+    no longer lists it, while the process's CPU clock keeps what it used."""
 
     # The compute threads' (the forward's and the backward's) time on a core.
-    compute_threads_on_core_ns: int
-    # Their time ready to run with no core free: the other rank's threads, this rank's other threads.
-    compute_threads_ready_ns: int
-    # Every other thread's time on a core: gloo's, the lanes', the intra-op pool's.
-    other_threads_on_core_ns: int
+    on_core_ns: int
+    # Their time ready to run with no core free: while the other compute thread, another thread of the rank or
+    # another rank's thread ran.
+    ready_ns: int
 
 
-def thread_times(
+def compute_thread_times(
     before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], compute_threads: set[int]
-) -> ThreadTimes:
-    """The step's ``ThreadTimes`` from ``threads_schedstat`` at its start and at its end (``after`` holds each
-    thread's last count: a thread that ended before the step did, its count before it ended). A thread that
+) -> ComputeThreadTimes:
+    """The step's ``ComputeThreadTimes`` from ``threads_schedstat`` at its start and at its end (``after`` holds each
+    compute thread's last count: one that ended before the step did, its count before it ended). A thread that
     started during the step counts from 0."""
-    on_core = {tid: after[tid][0] - before.get(tid, (0, 0))[0] for tid in after}
-    ready = {tid: after[tid][1] - before.get(tid, (0, 0))[1] for tid in after}
-    return ThreadTimes(
-        compute_threads_on_core_ns=sum(on_core[tid] for tid in compute_threads if tid in on_core),
-        compute_threads_ready_ns=sum(ready[tid] for tid in compute_threads if tid in ready),
-        other_threads_on_core_ns=sum(value for tid, value in on_core.items() if tid not in compute_threads),
+
+    def spent(tid: int, field: int) -> int:
+        return after[tid][field] - before.get(tid, (0, 0))[field] if tid in after else 0
+
+    return ComputeThreadTimes(
+        on_core_ns=sum(spent(tid, 0) for tid in compute_threads), ready_ns=sum(spent(tid, 1) for tid in compute_threads)
     )

@@ -153,7 +153,7 @@ from _common import (
     write_csv,
 )
 from _hosts import agreed_max
-from _step_split import minus, split_step, thread_times, threads_schedstat
+from _step_split import compute_thread_times, minus, split_step, threads_schedstat
 from moe_sync import LIBRARY_NAMES, _identity, installed_libraries, library_all_to_all
 from torch import nn
 
@@ -536,8 +536,10 @@ def _traced_step(model: nn.Module, optimizer, batches, variant: str, function: t
                     overlap.close()
             optimizer.step()
             end = time.perf_counter_ns()
-            cpu_s = time.process_time() - cpu_start
+            # The kernel's counts inside the CPU clock's window, so that the compute threads' share of it is not
+            # more than all of it.
             threads_at_end = threads_schedstat()
+            cpu_s = time.process_time() - cpu_start
     finally:
         model.all_to_all = all_to_all
         if gc_was_enabled:
@@ -557,7 +559,7 @@ def _traced_step(model: nn.Module, optimizer, batches, variant: str, function: t
         last_hand_over_end,
     )
     forward_thread = threading.get_native_id()
-    threads = thread_times(
+    threads = compute_thread_times(
         threads_at_start, {**threads_before_close, **threads_at_end}, {forward_thread, *backward_threads}
     )
     events += [
@@ -568,9 +570,12 @@ def _traced_step(model: nn.Module, optimizer, batches, variant: str, function: t
         {"kind": "node", "name": "forward thread", "start_ns": s, "end_ns": e, "thread": forward_thread}
         for s, e in minus((start, end), [(s, e) for _, s, e in forward_waits])
     ]
-    parts = {name: value / 1e6 for name, value in vars(split).items()}
-    parts.update({name: value / 1e6 for name, value in vars(threads).items()})
-    return {**{name.removesuffix("_ns") + "_ms": v for name, v in parts.items()}, "cpu_ms": cpu_s * 1e3}, events
+    parts = {name.removesuffix("_ns") + "_ms": value / 1e6 for name, value in vars(split).items()}
+    parts["cpu_ms"] = cpu_s * 1e3
+    parts["compute_threads_on_core_ms"] = threads.on_core_ns / 1e6
+    parts["compute_threads_ready_ms"] = threads.ready_ns / 1e6
+    parts["other_threads_on_core_ms"] = parts["cpu_ms"] - parts["compute_threads_on_core_ms"]
+    return parts, events
 
 
 def _traced_rules(model, optimizer, batches, function, config: SweepConfig) -> tuple[dict, dict]:
@@ -917,32 +922,36 @@ def _print_trace_split(traces: Sequence[dict | None], stock_exposed_ms: float) -
     """--timeline's split of each rank's traced steps (``_step_split``), medians over the steps, in ms. A step's
     exposure (the traced step - the rank's own compute step) is the time some compute thread was busy above the
     compute step (``busy +``) and the time both compute threads waited: at the leading edge, in the middle, at the
-    trailing edge. Beside it, what the kernel counted: the compute threads' time on a core above the compute
-    step's CPU time (``on core +``), their time ready with no core free (``ready``, the two threads' summed: while
-    one runs the other is often ready, so it is not all time lost), the other threads' time on a core (``others``:
-    gloo's, the lanes'), and the trace's own cost (``trace +``: the traced step - the rank's
+    trailing edge. ``busy +`` in turn: the compute threads' time on a core above the compute step's CPU time (``on
+    core +``), the other threads' (``others``: gloo's, the lanes'; the process's CPU time less the compute
+    threads'), and the rest by difference (``rest``: a compute thread outside its recorded waits yet not on a
+    core, blocked where the trace records no wait, or ready while a thread of the other rank ran). Beside them the
+    compute threads' time ready with no core free (``ready``, the two threads' summed: while one runs the other
+    is often ready, so it is not time lost) and the trace's own cost (``trace +``: the traced step - the rank's
     untraced median)."""
     if any(trace is None for trace in traces):
         return
     print(
         f"{'':12} traced ({TRACED_STEPS} steps a rule, medians, ms): exposed = the traced step - the rank's compute "
-        "step = busy + + idle (leading, middle, trailing); the compute threads' on core + and ready, the others' on core"
+        "step = busy + + idle (leading, middle, trailing); busy + = on core + + others + rest"
     )
     print(
         f"{'':12} {'rank':>4} {'rule':<8} {'step':>7} {'trace +':>7} {'exposed':>7} {'/stock':>6} {'busy +':>6} "
-        f"{'leading':>7} {'middle':>6} {'trailing':>8} {'on core +':>9} {'ready':>6} {'others':>6}"
+        f"{'leading':>7} {'middle':>6} {'trailing':>8} {'on core +':>9} {'others':>6} {'rest':>6} {'ready':>6}"
     )
     for rank, trace in enumerate(traces):
         for rule, parts in trace["splits"].items():
             median = {name: statistics.median(values) for name, values in parts.items()}
             exposed = median["step_ms"] - trace["compute_ms"]
+            busy_added = median["busy_ms"] - trace["compute_ms"]
+            on_core_added = median["compute_threads_on_core_ms"] - trace["compute_cpu_ms"]
             print(
                 f"{'':12} {rank:4d} {rule:<8} {median['step_ms']:7.1f} "
                 f"{median['step_ms'] - trace['untraced_ms'][rule]:7.1f} {exposed:7.1f} {exposed / stock_exposed_ms:6.2f} "
-                f"{median['busy_ms'] - trace['compute_ms']:6.1f} {median['idle_leading_ms']:7.1f} "
-                f"{median['idle_middle_ms']:6.1f} {median['idle_trailing_ms']:8.1f} "
-                f"{median['compute_threads_on_core_ms'] - trace['compute_cpu_ms']:9.1f} "
-                f"{median['compute_threads_ready_ms']:6.1f} {median['other_threads_on_core_ms']:6.1f}"
+                f"{busy_added:6.1f} {median['idle_leading_ms']:7.1f} {median['idle_middle_ms']:6.1f} "
+                f"{median['idle_trailing_ms']:8.1f} {on_core_added:9.1f} {median['other_threads_on_core_ms']:6.1f} "
+                f"{busy_added - on_core_added - median['other_threads_on_core_ms']:6.1f} "
+                f"{median['compute_threads_ready_ms']:6.1f}"
             )
 
 
