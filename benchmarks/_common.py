@@ -57,24 +57,40 @@ def timed_call(fn: Callable[..., T], *args: object, **kwargs: object) -> tuple[i
     cross the threshold. The caller's GC state is restored afterwards, so collections still run
     between timed calls.
     """
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         start = time.perf_counter_ns()
         result = fn(*args, **kwargs)
         return time.perf_counter_ns() - start, result
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic GC off inside the block (``timed_call`` says why), the caller's state restored after it."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
+def schedstat(path: str) -> tuple[int, int] | None:
+    """A thread's counts from the kernel's schedstat file at ``path`` (``/proc/thread-self/schedstat``,
+    ``/proc/self/task/<tid>/schedstat``): (ns it ran on a CPU, ns it waited, runnable, for one); None where there is
+    none (not Linux, no schedstats, a thread that has ended)."""
+    try:
+        with open(path) as f:
+            on_cpu, run_delay = f.read().split()[:2]
+        return int(on_cpu), int(run_delay)
+    except (OSError, ValueError):
+        return None
+
+
 def _run_delay_ns() -> int:
     """This thread's time spent runnable but waiting for a CPU (schedstat's run delay; 0 where there is none)."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
+    counts = schedstat("/proc/thread-self/schedstat")
+    return 0 if counts is None else counts[1]
 
 
 def timed_blocking(fn: Callable[[], object]) -> tuple[float, float]:

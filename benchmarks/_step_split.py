@@ -27,6 +27,8 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from _common import schedstat
+
 Interval = tuple[int, int]
 
 
@@ -103,19 +105,13 @@ def split_step(
 def threads_schedstat() -> dict[int, tuple[int, int]]:
     """Each thread of this process: (ns it ran on a core, ns it waited, ready, for one), from the kernel's
     ``/proc/self/task/<tid>/schedstat``; empty where there is none (not Linux, or no schedstats)."""
-    counts = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return counts
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                on_core, ready, _ = f.read().split()
-        except (OSError, ValueError):
-            continue  # a thread that has ended since the listing
-        counts[int(tid)] = (int(on_core), int(ready))
-    return counts
+        return {}
+    # A thread that has ended since the listing has no counts.
+    counts = {int(tid): schedstat(f"/proc/self/task/{tid}/schedstat") for tid in tids}
+    return {tid: count for tid, count in counts.items() if count is not None}
 
 
 @dataclass(frozen=True)

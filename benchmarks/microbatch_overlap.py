@@ -73,8 +73,9 @@ overlapped rule it timed, under ``torch_ext.trace()`` with the forward thread's 
 the hand-overs, the close), and the table splits each rank's traced exposure (``_step_split``): the time some
 compute thread (the forward's or the backward's) was busy above the rank's compute step, and the time both waited,
 at the leading edge, the trailing edge and in between. Only the last is time an order of the same work could
-still fill. Beside it, the kernel's counts of the step's threads (``/proc/self/task/*/schedstat``): the compute
-threads' time on a core and ready with none free, and the other threads' time on a core (gloo's, the lanes').
+still fill. Beside it, the compute threads' time on a core and ready with none free (the kernel's counts,
+``/proc/self/task/*/schedstat``), and the other threads' time on a core (gloo's, the lanes': the process's CPU
+time less the compute threads').
 ``trace +``, the traced step less the rank's untraced median, shows whether tracing changed the step. Rank 0
 draws its first traced step of each rule.
 
@@ -131,6 +132,7 @@ from _common import (
     csv_cases,
     csv_row,
     dense_layer_backward_s,
+    gc_paused,
     git_sha,
     headline_point,
     load_note,
@@ -373,9 +375,7 @@ def _step(model: nn.Module, optimizer, batches, variant: str, function: type) ->
     """Seconds of a step (``step_s``: zero_grad, the microbatches, the SGD step), and for the phased variants of
     its forwards (``forward_s``) and backwards (``backward_s``), the ranks started together, Python's GC off."""
     dist.barrier()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         start = time.perf_counter()
         cpu_start = time.process_time()
         optimizer.zero_grad(set_to_none=True)
@@ -384,9 +384,6 @@ def _step(model: nn.Module, optimizer, batches, variant: str, function: type) ->
         optimizer.step()
         step_s = time.perf_counter() - start
         cpu_s = time.process_time() - cpu_start
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     if variant not in PHASED_VARIANTS:
         return {"step_s": step_s, "cpu_s": cpu_s}
     return {"step_s": step_s, "cpu_s": cpu_s, "forward_s": forward_s, "backward_s": backward_s}
@@ -491,8 +488,8 @@ TRACED_STEPS = 5
 
 def _traced_step(model: nn.Module, optimizer, batches, variant: str, function: type) -> tuple[dict, list[dict]]:
     """One step of an overlapped ``variant`` as ``_step`` times it, under ``torch_ext.trace()``, with the forward
-    thread's waits recorded (its all_to_alls, the hand-overs, the close): its ``_step_split.split_step`` and its
-    CPU time, in ms, and its events (the trace's, and the forward thread's as ``collective_wait`` spans and one
+    thread's waits recorded (its all_to_alls, the hand-overs, the close): its ``_step_split.split_step``, its CPU
+    time and its compute threads' (``_step_split.compute_thread_times``), in ms, and its events (the trace's, and the forward thread's as ``collective_wait`` spans and one
     ``node`` per busy stretch) for the timeline."""
     forward_waits: list[tuple[str, int, int]] = []
     all_to_all = model.all_to_all
@@ -513,10 +510,8 @@ def _traced_step(model: nn.Module, optimizer, batches, variant: str, function: t
 
     model.all_to_all = timed_all_to_all
     dist.barrier()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
     try:
-        with torch_ext.trace() as trace:
+        with gc_paused(), torch_ext.trace() as trace:
             start = time.perf_counter_ns()
             cpu_start = time.process_time()
             threads_at_start = threads_schedstat()
@@ -542,8 +537,6 @@ def _traced_step(model: nn.Module, optimizer, batches, variant: str, function: t
             cpu_s = time.process_time() - cpu_start
     finally:
         model.all_to_all = all_to_all
-        if gc_was_enabled:
-            gc.enable()
     events = [dict(event) for event in trace.events]
     calls = [e for e in events if e["kind"] == "backward"]
     backward_threads = {e["thread"] for e in calls}
