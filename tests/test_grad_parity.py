@@ -63,13 +63,27 @@ def test_grad_matches_stock_and_writes_no_grad(select):
 
 
 def test_grad_of_input_only_prunes_weight_gradients():
-    # Three mm in forward; grad(x) needs one mm per layer backward (dX), none for dW.
+    # Three mm in forward; grad(x) needs one mm per layer backward (dX), none for dW. Counted by the profiler: a
+    # backward under a dispatch mode is traced, and goes to stock's engine (test_compile_tracing.py).
     counts = {}
     for engine in ("stock", "ext"):
         loss, x, _ = mlp()
-        with CountMatmuls() as counter:
+        with torch.profiler.profile() as profile:
+            GRAD[engine](loss, x)
+        counts[engine] = sum(event.name == "aten::mm" for event in profile.events())
+        driver_ran = any(event.name == "torch_ext::BackwardDriver" for event in profile.events())
+        assert driver_ran == (engine == "ext")
+    assert counts["ext"] == counts["stock"] == 3
+
+
+def test_grad_under_a_dispatch_mode_runs_on_stocks_engine_and_the_mode_sees_every_op():
+    counts = {}
+    for engine in ("stock", "ext"):
+        loss, x, _ = mlp()
+        with CountMatmuls() as counter, torch.profiler.profile() as profile:
             GRAD[engine](loss, x)
         counts[engine] = counter.count
+        assert not any(event.name == "torch_ext::BackwardDriver" for event in profile.events())
     assert counts["ext"] == counts["stock"] == 3
 
 
@@ -339,31 +353,41 @@ def _func_transforms():
 
 
 def test_torch_func_transforms_under_enabled():
-    # torch.func's reverse-mode transforms call torch.autograd.grad inside functorch levels, so under
-    # enable() they run on torch_ext's engine.
+    # torch.func's reverse-mode transforms call torch.autograd.grad inside functorch levels: traced calls,
+    # which torch_ext hands to stock's engine (test_compile_tracing.py), with stock's bits whatever the route.
     stock = _func_transforms()
     with torch_ext.enable():
         ext = _func_transforms()
     assert_identical(ext, stock)
 
 
-def test_compiled_autograd_falls_back_to_stock_engine():
+def test_compiled_autograd_falls_back_to_stock_engine_and_warns_once(monkeypatch):
+    import warnings
+
     from torch._dynamo import compiled_autograd
+
+    monkeypatch.setattr(torch_ext.engine, "_warned_of_compiled_autograd", False)
 
     def run(use_torch_ext):
         torch.manual_seed(0)
         linear = torch.nn.Linear(4, 4)
-        loss = linear(torch.randn(2, 4)).tanh().sum()
-        with compiled_autograd._enable(torch.compile(backend="eager")):
-            if use_torch_ext:
-                with torch_ext.enable():
+        for _ in range(2):
+            loss = linear(torch.randn(2, 4)).tanh().sum()
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                if use_torch_ext:
+                    with torch_ext.enable():
+                        loss.backward()
+                else:
                     loss.backward()
-            else:
-                loss.backward()
         return [p.grad for p in linear.parameters()]
 
-    stock = run(False)
-    assert_identical(run(True), stock)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stock = run(False)
+        assert not [w for w in caught if "torch_ext" in str(w.message)]
+        assert_identical(run(True), stock)
+    warned = [str(w.message) for w in caught if "torch_ext" in str(w.message)]
+    assert len(warned) == 1 and "compiled autograd is on" in warned[0] and "compile_backend" in warned[0]
 
 
 FIRST_BACKWARD_UNDER_DISPATCH_MODE = """
@@ -388,8 +412,8 @@ print(x.grad.tolist(), y.grad.tolist())
 
 @pytest.mark.slow
 def test_first_backward_under_a_dispatch_mode_does_not_poison_the_engine():
-    # The engine's first backward in a process allocates internal state; a TorchDispatchMode active
-    # then must not see or replace it. Needs a fresh interpreter.
+    # The process's first backward call, under a TorchDispatchMode (which sends it to stock's engine), must
+    # leave torch_ext's engine usable for the next one. Needs a fresh interpreter.
     import os
     import subprocess
     import sys

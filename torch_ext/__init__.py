@@ -16,6 +16,7 @@ from torch_ext.collectives import (
     unregister_collective_backward,
 )
 from torch_ext.collectives import collective_checks as collective_checks
+from torch_ext.compiler import compile_backend
 from torch_ext.current_node import current_node_supported as current_node_supported
 from torch_ext.current_node import is_current_node_supported
 from torch_ext.engine import Engine, backward, disable, enable, grad, is_enabled
@@ -58,6 +59,7 @@ __all__ = [
     "clear_priority",
     "collective_check_count",
     "collective_role",
+    "compile_backend",
     "disable",
     "enable",
     "execution_order",

@@ -21,10 +21,13 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd import graph as autograd_graph
 from torch.autograd.variable import Variable
 from torch.utils.hooks import RemovableHandle
@@ -37,6 +40,8 @@ from torch_ext.priority import priority_overrides
 # current graph task, which torch_ext's host task makes the stock engine's own, so those calls go to it
 # unchanged; so does backward under compiled autograd.
 _STOCK_ENGINE = torch._C._ImperativeEngine()
+_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_is_functional_tensor = torch._is_functional_tensor
 
 
 def _compiled_autograd_enabled() -> bool:
@@ -46,13 +51,63 @@ def _compiled_autograd_enabled() -> bool:
     return bool(compiled_autograd is not None and compiled_autograd.compiled_autograd_enabled)
 
 
+_dispatch_mode_stack_length = torch._C._len_torch_dispatch_stack
+# Tensor subclasses that exist only while something traces: a backward over them is being recorded, not run.
+_TRACING_TENSOR_TYPES = (FakeTensor, FunctionalTensor)
+
+
+def _is_traced(tensors) -> bool:
+    """Whether a backward over ``tensors`` (its roots and inputs) is being traced rather than run: a
+    ``__torch_dispatch__`` mode is active on the calling thread (AOTAutograd's fake, proxy and functional modes,
+    ``make_fx``, ``torch.export``; or a user's mode, such as ``FlopCounterMode``), a functorch transform is
+    (``torch.func.grad``, ``vmap``), or one of ``tensors`` is fake or functional.
+
+    Such a call goes to the stock engine (docs/design.md, "Under tracing, stock's engine"): the modes are state
+    of the calling thread and not thread-safe, so a node run on a lane or the overlap's thread escapes them or
+    races them, and a traced graph must be the one stock's engine traces.
+    """
+    if _dispatch_mode_stack_length() or _functorch_transforms_active():
+        return True
+    return any(
+        isinstance(value, _TRACING_TENSOR_TYPES) or (type(value) is torch.Tensor and _is_functional_tensor(value))
+        for value in tensors
+    )
+
+
+def _is_traced_call(args: tuple, kwargs: dict) -> bool:
+    """:func:`_is_traced` for ``_EngineBase.run_backward``'s arguments."""
+    roots = args[0] if args else kwargs.get("tensors", ())
+    inputs = args[4] if len(args) > 4 else kwargs.get("inputs")
+    return _is_traced((*roots, *(inputs or ())))
+
+
+_warned_of_compiled_autograd = False
+
+
+def _warn_once_compiled_autograd_takes_backward() -> None:
+    # Once a process: a training loop under compiled autograd would otherwise warn every step.
+    global _warned_of_compiled_autograd
+    if not _warned_of_compiled_autograd:
+        _warned_of_compiled_autograd = True
+        warnings.warn(
+            "torch_ext: compiled autograd is on, so backward runs on the stock engine, traced by compiled autograd: "
+            "torch_ext's priorities, lanes, deferred waits and overlap do not apply to it. Leave compiled autograd off "
+            "and compile the model with torch_ext.compile_backend() to keep them (docs/guides/switching-on.md).",
+            stacklevel=4,
+        )
+
+
 def _run_on_torch_ext(args: tuple, kwargs: dict, overrides) -> tuple | None:
-    """``_EngineBase.run_backward(*args, **kwargs)`` on torch_ext's engine, with the call's priorities."""
+    """``_EngineBase.run_backward(*args, **kwargs)`` on torch_ext's engine, with the call's priorities; a traced
+    call (:func:`_is_traced`) on the stock engine, where priorities do not apply."""
+    if _is_traced_call(args, kwargs):
+        return _STOCK_ENGINE.run_backward(*args, **kwargs)
     if _compiled_autograd_enabled():
         if overrides:
             raise RuntimeError(
                 "torch_ext: priorities= cannot apply under compiled autograd, whose backward runs on the stock engine"
             )
+        _warn_once_compiled_autograd_takes_backward()
         return _STOCK_ENGINE.run_backward(*args, **kwargs)
     return _C.run_backward(*args, **kwargs, priorities=overrides)
 
@@ -155,6 +210,9 @@ class _Router:
     def run_backward(self, *args, **kwargs):
         overrides = getattr(_thread, "overrides", None)
         _thread.overrides = None
+        if _is_traced_call(args, kwargs):
+            # Before the entry hooks: none may take a traced call to another thread.
+            return self.replaced.run_backward(*args, **kwargs)
         if _backward_entry_hooks and _taken_by_an_entry_hook(_EngineCall(args, kwargs, overrides)):
             return None
         if overrides is None and not self.enabled_depth:
@@ -244,7 +302,6 @@ _STOCK_BACKWARD = torch.autograd.backward
 _STOCK_GRAD = torch.autograd.grad
 _AUTOGRAD_LOG = autograd_graph.log
 _has_torch_function = torch._C._has_torch_function
-_functorch_transforms_active = torch._C._are_functorch_transforms_active
 
 
 def _is_plain_tensor(value) -> bool:
@@ -266,6 +323,7 @@ def _stock_python_only_forwards(tensors: tuple) -> bool:
         not _backward_entry_hooks
         and Variable._execution_engine is _router
         and not _functorch_transforms_active()
+        and not _dispatch_mode_stack_length()
         and not _has_torch_function(tensors)
         and not _compiled_autograd_enabled()
         and _AUTOGRAD_LOG.getEffectiveLevel() > logging.DEBUG
