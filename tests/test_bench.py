@@ -795,6 +795,41 @@ def test_moe_sync_summary_from_a_csv(tmp_path):
     assert "T_comm 36 ms" in summary["stock"].notes
 
 
+def test_compile_overlap_summary_from_a_csv(tmp_path):
+    link = "2 hosts over a veth shaped to 1gbit"
+    case = "compile_overlap x1"
+    size = f"2048 tokens x 256d per expert, 26 dense layers, {link}"
+    rows = [
+        ("comm", "compile_overlap", f"2048 tokens x 256d per expert, {link}", "t_comm_ms", 68, 66, 70),
+        ("compute", case, size, "measured_ratio", 1.1, 1.1, 1.1),
+    ]
+    for variant, backward, step, efficiency, compute_step in (
+        ("stock", 200, 330, -0.07, 210),
+        ("torch_ext", 130, 275, 1.0, 210),
+        ("compiled", 205, 345, -0.04, 215),
+        ("reordered", 200, 340, 0.06, 215),
+        ("torch_ext_compiled", 150, 300, 0.98, 215),
+    ):
+        for metric, value in (
+            ("backward_ms", backward),
+            ("step_ms", step),
+            ("efficiency", efficiency),
+            ("step_efficiency", efficiency - 0.3),
+            ("compute_step_ms", compute_step),
+        ):
+            rows.append((variant, case, size, metric, value, value, value))
+    write_rows(tmp_path / "compile_overlap.csv", rows)
+    summary = {row.variant: row for row in bench.summarize_folder(tmp_path, ["compile_overlap"])}
+    assert list(summary) == ["stock", "torch_ext", "compiled", "reordered", "torch_ext_compiled"]
+    ours = summary["torch_ext_compiled"]
+    assert ours.case == f"compiled MoE block, {link}"
+    assert ours.values["efficiency"] == pytest.approx(0.98) and ours.values["ideal_efficiency"] == 1.0
+    assert ours.values["step_efficiency"] == pytest.approx(0.68)
+    assert ours.values["step_ratio"] == pytest.approx(300 / 330) and ours.ratio == "0.75"
+    assert "its compute-only step 215 ms" in ours.notes
+    assert "T_comm 68 ms" in summary["stock"].notes
+
+
 def test_bench_runs_every_benchmark_script():
     # A new script in benchmarks/ that is not added to BENCHMARK_NAMES would never run: this fails instead.
     scripts = {path.stem for path in bench.benchmarks_dir().glob("*.py") if not path.name.startswith("_")}

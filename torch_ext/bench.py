@@ -45,6 +45,7 @@ BENCHMARK_NAMES = (
     "overlap",
     "recsys_torchrec",
     "moe_sync",
+    "compile_overlap",
     "microbatch_overlap",
     "kernels",
 )

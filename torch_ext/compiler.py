@@ -127,13 +127,11 @@ def partition_at_collectives(graph: fx.Graph, matmuls_per_region: int) -> dict[f
             signature = None
             continue
         node_signature = (upstream[node], downstream[node])
-        is_matmul = _is_matmul(node)
-        if signature is not None and (node_signature != signature or (is_matmul and matmuls >= matmuls_per_region)):
+        if signature is not None and (node_signature != signature or matmuls >= matmuls_per_region):
             partition += 1
             matmuls = 0
-        if signature != node_signature:
-            signature = node_signature
-        matmuls += is_matmul
+        signature = node_signature
+        matmuls += _is_matmul(node)
         partition_of[node] = partition
     return partition_of
 
