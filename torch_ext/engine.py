@@ -56,22 +56,36 @@ _dispatch_mode_stack_length = torch._C._len_torch_dispatch_stack
 _TRACING_TENSOR_TYPES = (FakeTensor, FunctionalTensor)
 
 
-def _is_traced(tensors) -> bool:
-    """Whether a backward over ``tensors`` (its roots and inputs) is being traced rather than run: a
-    ``__torch_dispatch__`` mode is active on the calling thread (AOTAutograd's fake, proxy and functional modes,
-    ``make_fx``, ``torch.export``; or a user's mode, such as ``FlopCounterMode``), a functorch transform is
-    (``torch.func.grad``, ``vmap``), or one of ``tensors`` is fake or functional.
+_TRACING_MODE_KEYS = (
+    torch._C._TorchDispatchModeKey.FAKE,
+    torch._C._TorchDispatchModeKey.PROXY,
+    torch._C._TorchDispatchModeKey.FUNCTIONAL,
+)
+_current_infra_mode = torch._C._get_dispatch_mode
 
-    Such a call goes to the stock engine (docs/design.md, "Under tracing, stock's engine"): the modes are state
-    of the calling thread and not thread-safe, so a node run on a lane or the overlap's thread escapes them or
-    races them, and a traced graph must be the one stock's engine traces.
-    """
-    if _dispatch_mode_stack_length() or _functorch_transforms_active():
+
+def _is_tracing(tensors) -> bool:
+    """Whether a graph over ``tensors`` is being recorded: a fake, proxy or functional dispatch mode (the modes
+    AOTAutograd, ``make_fx`` and ``torch.export`` trace with) or a functorch transform is active on the calling
+    thread, or one of ``tensors`` is fake or functional. A user's own ``__torch_dispatch__`` mode is not tracing."""
+    if _functorch_transforms_active() or any(_current_infra_mode(key) is not None for key in _TRACING_MODE_KEYS):
         return True
     return any(
         isinstance(value, _TRACING_TENSOR_TYPES) or (type(value) is torch.Tensor and _is_functional_tensor(value))
         for value in tensors
     )
+
+
+def _is_traced(tensors) -> bool:
+    """Whether a backward over ``tensors`` (its roots and inputs) is traced, for the engine's routing: it is being
+    recorded (:func:`_is_tracing`), or any ``__torch_dispatch__`` mode is active on the calling thread, a user's
+    (``FlopCounterMode``) included, which must see every op of the backward on that thread.
+
+    Such a call goes to the stock engine (docs/design.md, "Under tracing, stock's engine"): the modes are state
+    of the calling thread and not thread-safe, so a node run on a lane or the overlap's thread escapes them or
+    races them, and a traced graph must be the one stock's engine traces.
+    """
+    return bool(_dispatch_mode_stack_length()) or _is_tracing(tensors)
 
 
 def _is_traced_call(args: tuple, kwargs: dict) -> bool:

@@ -27,7 +27,7 @@ from torch.overrides import is_tensor_like
 
 from torch_ext._api import Undo, deprecated
 from torch_ext._loader import _C
-from torch_ext.engine import _compiled_autograd_enabled, _is_traced
+from torch_ext.engine import _compiled_autograd_enabled, _is_tracing
 
 SplitState = _C.SplitState
 
@@ -65,14 +65,14 @@ def backward_input(
     outputs_tuple = (outputs,) if is_tensor_like(outputs) or isinstance(outputs, GradientEdge) else tuple(outputs)
     inputs_tuple = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     weights_tuple = (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
-    if _is_traced(
+    if _is_tracing(
         value for value in (*outputs_tuple, *inputs_tuple, *weights_tuple) if isinstance(value, torch.Tensor)
     ):
         # The state it returns holds engine-side gradients and saved tensors that no traced graph can record.
         raise RuntimeError(
-            "torch_ext.backward_input cannot be traced (a __torch_dispatch__ mode or functorch transform is active, "
-            "or a tensor is fake or functional, as under torch.compile, make_fx or torch.func): compile the stage's "
-            "forward only and call backward_input outside the compiled region"
+            "torch_ext.backward_input cannot be traced (a fake, proxy or functional dispatch mode or a functorch "
+            "transform is active, or a tensor is fake or functional, as under torch.compile, make_fx or torch.func): "
+            "compile the stage's forward only and call backward_input outside the compiled region"
         )
     grads = torch.autograd._make_grads(
         outputs_tuple,
