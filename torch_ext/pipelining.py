@@ -26,11 +26,13 @@ forward-then-backward::
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.pipelining import _backward as _stock_backward
 from torch.distributed.pipelining import stage as _stage_module
 from torch.distributed.pipelining._debug import map_debug_info
 from torch.distributed.pipelining.schedules import (
@@ -42,6 +44,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.nn import Parameter
+from torch.utils.hooks import RemovableHandle
 
 from torch_ext.microbatch_overlap import overlap_microbatches
 from torch_ext.split import SplitState, backward_input, backward_weight
@@ -55,13 +58,18 @@ def stage_backward_input(
     output_grads: list[torch.Tensor] | None,
     input_values: list[Any],
     weights: Iterator[Parameter],
-) -> tuple[tuple[torch.Tensor | None, ...], list[SplitState]]:
+) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
     """``torch.distributed.pipelining._backward.stage_backward_input`` on torch_ext's engine.
 
     Returns the gradient of each of ``input_values`` (``None`` for non-tensors and tensors that do
-    not require grad), also accumulated into their ``.grad``, and what
-    :func:`stage_backward_weight` resumes from (in place of stock's parameter groups). Detaches
-    ``stage_outputs_or_loss``, as stock does, so only what the weight pass needs stays alive.
+    not require grad), also accumulated into their ``.grad``, and stock's parameter groups: one dict
+    per group of weights, ``"params"`` (the set of their AccumulateGrad nodes), ``"intermediates"``
+    (the list of nodes on the input side of the graph with an edge towards them) and ``"grads"`` (the
+    gradients each intermediate received in this pass, one tuple per intermediate), found by stock's
+    own graph walk. Each dict also holds, under one more key, what torch_ext's weight pass resumes
+    from. Only the intermediates' saved tensors and the weights' side of the graph stay alive for
+    :func:`stage_backward_weight`; every other saved tensor is freed. Detaches
+    ``stage_outputs_or_loss``, as stock does.
     """
     valid_outputs: list[torch.Tensor] = []
     valid_output_grads: list[torch.Tensor] = []
@@ -73,22 +81,32 @@ def stage_backward_input(
     grad_indices = [
         i for i, value in enumerate(input_values) if isinstance(value, torch.Tensor) and value.requires_grad
     ]
-    # Stock's parameter groups only hold weights that require grad.
-    trainable_weights = [weight for weight in weights if weight.requires_grad]
+    weights = list(weights)
+    handles: list[RemovableHandle] = []
     try:
+        param_groups = _stock_param_groups(valid_outputs, input_values, weights)
+        for group in param_groups:
+            handles += _record_grads_at_intermediates(group)
         dinputs: list[torch.Tensor | None] = [None] * len(input_values)
-        states: list[SplitState] = []
-        if valid_outputs:
+        # With no input that needs a gradient stock's walk finds no group, and its pass computes nothing.
+        if valid_outputs and grad_indices:
             grads, state = backward_input(
                 valid_outputs,
                 valid_output_grads,
                 [input_values[i] for i in grad_indices],
-                trainable_weights,
+                # Every weight, not only the groups': stock's groups miss what reaches a weight from an
+                # output other than through an intermediate (an output computed from weights alone).
+                [weight for weight in weights if weight.requires_grad],
                 allow_unused=True,
             )
-            states.append(state)
             for index, grad in zip(grad_indices, grads, strict=True):
                 dinputs[index] = grad
+            # With no group, nothing carries the state to the weight pass: as with stock's, no weight gets a
+            # gradient.
+            if param_groups:
+                pending = _PendingWeightPass(state, param_groups)
+                for index, group in enumerate(param_groups):
+                    group[_WEIGHT_PASS_KEY] = (pending, index)
         for value, dinput in zip(input_values, dinputs, strict=True):
             if dinput is not None:
                 if value.grad is None:
@@ -97,7 +115,7 @@ def stage_backward_input(
                     value.grad += dinput
         for output in stage_outputs_or_loss:
             output.detach_()
-        return tuple(dinputs), states
+        return tuple(dinputs), param_groups
     except Exception as e:
         raise RuntimeError(
             f"""
@@ -107,29 +125,222 @@ def stage_backward_input(
         Input: {map_debug_info(input_values)}
         """
         ) from e
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def stage_backward_weight(
-    weights: Iterator[Parameter], param_groups: list[SplitState], retain_graph: bool = False
+    weights: Iterator[Parameter], param_groups: list[dict[str, Any]], retain_graph: bool = False
 ) -> tuple[torch.Tensor | None, ...]:
     """``torch.distributed.pipelining._backward.stage_backward_weight`` on torch_ext's engine.
 
-    ``param_groups`` is what :func:`stage_backward_input` returned. Accumulates the weights'
-    gradients through their AccumulateGrad nodes, so post-accumulate-grad and DDP/FSDP hooks fire
-    (stock assigns ``.grad`` directly and they do not). Returns what stock returns: each weight's
-    ``.grad`` as it was before this call (``None`` where it was unset; a tensor since accumulated
-    into in place otherwise).
+    ``param_groups`` is what :func:`stage_backward_input` returned. When it holds every group of one
+    such call, each with the values that call left in it, torch_ext's weight pass runs once for all
+    of them: it accumulates each of their params' gradients through its AccumulateGrad node, so
+    post-accumulate-grad and DDP/FSDP hooks fire (stock assigns ``.grad`` directly and they do not).
+    Otherwise (a group's ``"grads"``, ``"intermediates"`` or ``"params"`` replaced, a gradient in
+    ``"grads"`` modified in place, only some of a call's groups passed, or groups from stock's own
+    ``stage_backward_input``), those groups are computed by stock's ``stage_backward_weight``, from
+    their values. Like stock, removes ``"intermediates"`` and ``"grads"`` from each group. Returns what
+    stock returns: each weight's ``.grad`` as it was before this call (``None`` where it was unset; a
+    tensor since accumulated into in place otherwise).
     """
-    weight_grads = [weight.grad for weight in weights]
-    for state in param_groups:
-        if not isinstance(state, SplitState):
-            raise TypeError(
-                "torch_ext.pipelining.stage_backward_weight expects what torch_ext.pipelining.stage_backward_input "
-                f"returned, but got a {type(state).__name__} (from torch.distributed.pipelining's own "
-                "stage_backward_input?)"
-            )
+    weights = list(weights)
+    weight_grads = tuple(weight.grad for weight in weights)
+    pending_of_group = [_pending_weight_pass_of(group) for group in param_groups]
+    resumable = _resumable_weight_passes(param_groups)
+    as_stock: list[dict[str, Any]] = []
+    for group, pending in zip(param_groups, pending_of_group, strict=True):
+        if pending not in resumable:
+            as_stock.append(group)
+            continue
+        # In the list's order: a weight in groups of two calls sums their gradients as stock would.
+        _compute_as_stock(weights, as_stock, retain_graph)
+        as_stock = []
+        if pending.state is None:
+            continue  # resumed at an earlier group of its call
+        state = pending.take_state()
+        # Before the pass, not after as stock does: the state drops each gradient it keeps once used,
+        # and the groups would hold them all until the pass ended.
+        for its_group in resumable[pending]:
+            _clear_as_stock_does(its_group)
         backward_weight(state, retain_graph=retain_graph)
-    return tuple(weight_grads)
+    _compute_as_stock(weights, as_stock, retain_graph)
+    return weight_grads
+
+
+# Each param group that stage_backward_input returns holds, under this key, its call's
+# _PendingWeightPass and its own index in that call. A key rather than a dict subclass: the groups stay
+# plain dicts, so pytree (which treats a dict subclass as a leaf) and anything that tests type(group)
+# see stock's type, and dict(group) or group.copy() keep the state. A table beside the groups could not
+# follow their lifetime: dicts, lists and autograd Nodes take no weak references, and a Node's metadata
+# would make a cycle through the state's C++ references to the graph that nothing collects.
+_WEIGHT_PASS_KEY = "_torch_ext_weight_pass"
+
+
+class _PendingWeightPass:
+    """What one :func:`stage_backward_input` call leaves for :func:`stage_backward_weight`: torch_ext's
+    state for the weight pass of all the groups it returned, and each group's values as returned.
+
+    The state runs only for all of the call's groups at once, and only while each holds the objects it
+    was returned with, its gradients unmodified: the state keeps its own references to the gradients
+    that reached the intermediates (and where a custom Function computed its weights' gradients in the
+    input pass, those results instead), so it would not see a change.
+    """
+
+    __slots__ = ("_returned", "state")
+
+    def __init__(self, state: SplitState, param_groups: list[dict[str, Any]]) -> None:
+        self.state: SplitState | None = state
+        # The same tensors as the groups hold: this costs no memory.
+        self._returned = [
+            (frozenset(group["params"]), tuple(group["intermediates"]), _grads_as_returned(group.get("grads")))
+            for group in param_groups
+        ]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._returned)
+
+    def take_state(self) -> SplitState | None:
+        """The state, for its one weight pass (or to drop it); it no longer resumes."""
+        state, self.state, self._returned = self.state, None, []
+        return state
+
+    def holds_what_was_returned(self, index: int, group: dict[str, Any]) -> bool:
+        params, intermediates, grads = self._returned[index]
+        return (
+            group.get("params") == params
+            and _same_objects(group.get("intermediates"), intermediates)
+            and _same_grads(group.get("grads"), grads)
+        )
+
+
+# Each intermediate's gradient tuple, and the version counter of every gradient in them.
+_ReturnedGrads = tuple[tuple[tuple[torch.Tensor | None, ...], ...], tuple[int, ...]]
+
+
+def _grads_as_returned(grads: list[tuple[torch.Tensor | None, ...]] | None) -> _ReturnedGrads | None:
+    if grads is None:
+        return None
+    tuples = tuple(tuple(grad_tuple) for grad_tuple in grads)
+    return tuples, _versions(tuples)
+
+
+def _same_grads(grads: Any, returned: _ReturnedGrads | None) -> bool:
+    """Whether ``grads`` holds the returned gradients, none of them modified in place since."""
+    if returned is None:
+        return grads is None
+    tuples, versions = returned
+    if not _same_objects(grads, tuples, compare=_same_objects):
+        return False
+    return _versions(tuples) == versions
+
+
+def _versions(grad_tuples: tuple[tuple[torch.Tensor | None, ...], ...]) -> tuple[int, ...]:
+    return tuple(grad._version for grad_tuple in grad_tuples for grad in grad_tuple if grad is not None)
+
+
+def _same_objects(values: Any, returned: tuple[Any, ...], compare: Callable[[Any, Any], bool] = operator.is_) -> bool:
+    return isinstance(values, (list, tuple)) and len(values) == len(returned) and all(map(compare, values, returned))
+
+
+def _stock_param_groups(
+    outputs: list[torch.Tensor], input_values: list[Any], weights: list[Parameter]
+) -> list[dict[str, Any]]:
+    """Stock's parameter groups, from stock's own walk of the graph."""
+    output_nodes = [node for node in map(_stock_backward._get_grad_fn_or_grad_acc, outputs) if node is not None]
+    input_nodes = [
+        node
+        for node in (
+            _stock_backward._get_grad_fn_or_grad_acc(value) for value in input_values if isinstance(value, torch.Tensor)
+        )
+        if node is not None
+    ]
+    weight_nodes = [node for node in map(_stock_backward._get_grad_fn_or_grad_acc, weights) if node is not None]
+    return _stock_backward.get_param_groups(
+        input_nodes, weight_nodes, _stock_backward.construct_reverse_graph(output_nodes)
+    )
+
+
+def _record_grads_at_intermediates(group: dict[str, Any]) -> list[RemovableHandle]:
+    """Fills ``group["grads"]`` as stock's input pass does: a pre-hook on each intermediate stores the
+    gradients it receives, in the order of ``group["intermediates"]`` (made a list here, as stock does)."""
+    intermediates = list(group["intermediates"])
+    group["intermediates"] = intermediates
+
+    def record(index: int) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            if group.get("grads") is None:
+                group["grads"] = [None] * len(intermediates)
+            group["grads"][index] = grad_outputs
+
+        return hook
+
+    return [node.register_prehook(record(index)) for index, node in enumerate(intermediates)]
+
+
+def _pending_weight_pass_of(group: dict[str, Any]) -> _PendingWeightPass | None:
+    return group.get(_WEIGHT_PASS_KEY, (None, 0))[0]
+
+
+def _resumable_weight_passes(param_groups: list[dict[str, Any]]) -> dict[_PendingWeightPass, list[dict[str, Any]]]:
+    """The calls whose torch_ext weight pass can run for ``param_groups`` (every group of the call is
+    there, once, holding what the call left in it), with their groups."""
+    groups_of: dict[_PendingWeightPass, list[dict[str, Any]]] = {}
+    indices_of: dict[_PendingWeightPass, set[int]] = {}
+    changed: set[_PendingWeightPass] = set()
+    for group in param_groups:
+        pending, index = group.get(_WEIGHT_PASS_KEY, (None, 0))
+        if pending is None or pending.state is None:
+            continue
+        indices = indices_of.setdefault(pending, set())
+        if index in indices or not pending.holds_what_was_returned(index, group):
+            changed.add(pending)
+        indices.add(index)
+        groups_of.setdefault(pending, []).append(group)
+    return {
+        pending: groups
+        for pending, groups in groups_of.items()
+        if pending not in changed and len(indices_of[pending]) == pending.num_groups
+    }
+
+
+def _compute_as_stock(weights: list[Parameter], param_groups: list[dict[str, Any]], retain_graph: bool) -> None:
+    """Stock's weight pass for these groups, from their values."""
+    if not param_groups:
+        return
+    from_torch_ext = False
+    for group in param_groups:
+        pending = group.pop(_WEIGHT_PASS_KEY, (None, 0))[0]
+        if pending is not None:
+            # Part of its call is computed here: running its state later would count this part twice.
+            pending.take_state()
+            from_torch_ext = True
+    try:
+        _stock_backward.stage_backward_weight(iter(weights), param_groups, retain_graph=retain_graph)
+    except Exception as error:
+        if from_torch_ext:
+            error.add_note(
+                "torch_ext.pipelining.stage_backward_weight computed these param groups as "
+                "torch.distributed.pipelining does, from their values, since they were changed after "
+                "stage_backward_input (or only some of one call's groups were passed). That runs every node "
+                "from a group's intermediates to its params; torch_ext's input pass kept the saved tensors of "
+                "the intermediates and the weights' side only, so this fails where other nodes join a group's "
+                "intermediates (a weight used at two places with an op between them) or where an intermediate "
+                "is a custom Function that computed its weights' gradients in the input pass (which freed its "
+                "saved tensors)."
+            )
+        raise
+
+
+def _clear_as_stock_does(group: dict[str, Any]) -> None:
+    """Leaves ``group`` as stock's weight pass leaves it."""
+    del group[_WEIGHT_PASS_KEY]
+    del group["intermediates"]
+    if any(grad is not None for grad_tuple in group.get("grads", ()) for grad in grad_tuple):
+        del group["grads"]
 
 
 class ZeroBubblePatch:
