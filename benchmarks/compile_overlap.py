@@ -79,6 +79,7 @@ from _hosts import agreed_max
 from torch import nn
 
 import torch_ext
+from torch_ext.compiler import MATMULS_PER_REGION
 
 WORLD_SIZE = 2
 # moe_sync's sizes: 2048 tokens x 256 floats each way (2 MiB), the dense path on 1024 rows (~3 ms a layer here).
@@ -145,14 +146,14 @@ class Block(nn.Module):
 class Setups:
     """One block per compiled setup, each a copy of the eager one (so their optimizers' steps stay apart)."""
 
-    def __init__(self, dense_layers: int, variants: Sequence[str]) -> None:
+    def __init__(self, dense_layers: int, variants: Sequence[str], backend_options: dict) -> None:
         self.eager = Block(dense_layers)
         self.modules = {"stock": self.eager, "torch_ext": self.eager, "compute": self.eager}
         self.callables = dict(self.modules)
         for variant, compile_kwargs in (
             ("compiled", {}),
             ("reordered", {"options": REORDER_OPTIONS}),
-            ("torch_ext_compiled", {"backend": torch_ext.compile_backend(), "fullgraph": True}),
+            ("torch_ext_compiled", {"backend": torch_ext.compile_backend(**backend_options), "fullgraph": True}),
         ):
             module = copy.deepcopy(self.eager)
             self.modules[variant] = module
@@ -223,7 +224,7 @@ def _check_bits(setups: Setups, tokens: torch.Tensor, rank: int) -> None:
         setups.callables[variant](tokens, communicate=False).backward()
 
 
-def _run_rank(config: SweepConfig) -> dict:
+def _run_rank(config: SweepConfig, backend_options: dict) -> dict:
     """One rank's part, in the process group: T_comm, then each sweep point's times per variant."""
     rank = dist.get_rank()
     torch_ext.run_in_lane(FUNCOL_ALL_TO_ALL)
@@ -249,7 +250,7 @@ def _run_rank(config: SweepConfig) -> dict:
         torch.manual_seed(rank)
         torch._dynamo.reset()
         variants = timed_variants(config, TIMED_VARIANTS, QUICK_LEFT_OUT)
-        setups = Setups(dense_layers, variants)
+        setups = Setups(dense_layers, variants, backend_options)
         compile_start = time.perf_counter()
         _check_bits(setups, tokens, rank)
         compile_s = time.perf_counter() - compile_start
@@ -260,7 +261,8 @@ def _run_rank(config: SweepConfig) -> dict:
         samples = timed_repetitions(variants, measure, config.reps, config.warmup)
         points.append({"ratio": ratio, "dense_layers": dense_layers, "samples": samples, "compile_s": compile_s})
     torch_ext.unregister_collective_backward(FUNCOL_ALL_TO_ALL)
-    return {"comm_s": comm_s, "t_layer": t_layer, "points": points}
+    matmuls_per_region = backend_options.get("matmuls_per_region", MATMULS_PER_REGION)
+    return {"comm_s": comm_s, "t_layer": t_layer, "points": points, "matmuls_per_region": matmuls_per_region}
 
 
 def report(results: list[dict], link: str, out: str, load: Summary | None = None) -> None:
@@ -273,7 +275,8 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
     scenario = f"{CAPACITY} tokens x {DIM}d per expert"
     print(
         f"\ncompile_overlap: {scenario}, {link}; T_comm {comm} ms (stock's wait with no dense path, "
-        f"{len(first['comm_s'])} steps), one dense layer {first['t_layer'] * 1e3:.2f} ms"
+        f"{len(first['comm_s'])} steps), one dense layer {first['t_layer'] * 1e3:.2f} ms; compile_backend's regions "
+        f"hold at most {first['matmuls_per_region']} matrix products"
     )
     print(
         f"{'ratio':>5} {'layers':>6} {'variant':<18} {'backward ms':>12} {'/stock':>7} {'step ms':>9} {'/stock':>7} "
@@ -328,13 +331,20 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
 
 def main(argv: list[str] | None = None) -> int:
     parser = sweep_parser(__doc__, "compile_overlap", quick_help="the headline point only, fewer repetitions")
+    parser.add_argument(
+        "--matmuls-per-region",
+        type=int,
+        default=None,
+        help="torch_ext_compiled's compile_backend(matmuls_per_region=N) (default: the backend's default)",
+    )
     args = parse_sweep_args(parser, argv)
     config = sweep_config(args, "compile_overlap", quick_reps=8, reps=15)
     announce = (
         f"compile_overlap: torch {torch.__version__}, {WORLD_SIZE} gloo ranks, "
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
     )
-    return run_sweep(__file__, args, argv, lambda: _run_rank(config), report, announce)
+    backend_options = {} if args.matmuls_per_region is None else {"matmuls_per_region": args.matmuls_per_region}
+    return run_sweep(__file__, args, argv, lambda: _run_rank(config, backend_options), report, announce)
 
 
 # --- bench's summary rows and plot (torch_ext/bench.py) ------------------------------------------------

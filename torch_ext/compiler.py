@@ -136,8 +136,12 @@ def partition_at_collectives(graph: fx.Graph, matmuls_per_region: int) -> dict[f
     return partition_of
 
 
+# The default most matrix products in one compiled region (benchmarks/compile_overlap.py --matmuls-per-region).
+MATMULS_PER_REGION = 1
+
+
 def compile_backend(
-    inner: str | Callable[..., Any] = "inductor", *, matmuls_per_region: int = 1
+    inner: str | Callable[..., Any] = "inductor", *, matmuls_per_region: int = MATMULS_PER_REGION
 ) -> Callable[[fx.GraphModule, Sequence[torch.Tensor]], Callable[..., Any]]:
     """A ``torch.compile`` backend: the captured graph split at its collectives, the compute compiled by ``inner``.
 
