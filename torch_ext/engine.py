@@ -51,17 +51,16 @@ def _compiled_autograd_enabled() -> bool:
     return bool(compiled_autograd is not None and compiled_autograd.compiled_autograd_enabled)
 
 
+# What tells a traced call: the dispatch modes on the calling thread (its tracing ones, AOTAutograd's and make_fx's,
+# are "infra" modes with keys of their own), and tensor subclasses that exist only while something traces.
 _dispatch_mode_stack_length = torch._C._len_torch_dispatch_stack
-# Tensor subclasses that exist only while something traces: a backward over them is being recorded, not run.
-_TRACING_TENSOR_TYPES = (FakeTensor, FunctionalTensor)
-
-
+_current_infra_mode = torch._C._get_dispatch_mode
 _TRACING_MODE_KEYS = (
     torch._C._TorchDispatchModeKey.FAKE,
     torch._C._TorchDispatchModeKey.PROXY,
     torch._C._TorchDispatchModeKey.FUNCTIONAL,
 )
-_current_infra_mode = torch._C._get_dispatch_mode
+_TRACING_TENSOR_TYPES = (FakeTensor, FunctionalTensor)
 
 
 def _is_tracing(tensors) -> bool:
@@ -224,12 +223,13 @@ class _Router:
     def run_backward(self, *args, **kwargs):
         overrides = getattr(_thread, "overrides", None)
         _thread.overrides = None
-        if _is_traced_call(args, kwargs):
-            # Before the entry hooks: none may take a traced call to another thread.
+        routed = overrides is not None or self.enabled_depth
+        # A traced call goes to the replaced engine before the entry hooks: none may take it to another thread.
+        if (not routed and not _backward_entry_hooks) or _is_traced_call(args, kwargs):
             return self.replaced.run_backward(*args, **kwargs)
         if _backward_entry_hooks and _taken_by_an_entry_hook(_EngineCall(args, kwargs, overrides)):
             return None
-        if overrides is None and not self.enabled_depth:
+        if not routed:
             return self.replaced.run_backward(*args, **kwargs)
         return _run_on_torch_ext(args, kwargs, overrides)
 
