@@ -283,7 +283,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
         f"{'compute step ms':>15} {'exposed ms':>10} {'efficiency':>10} {'by step':>7} {'ideal':>6}"
     )
     rows.append(csv_row("comm", "compile_overlap", f"{scenario}, {link}", "t_comm_ms", comm, sha))
-    for point in merge_ranks([r["points"] for r in results]):
+    for index, point in enumerate(merge_ranks([r["points"] for r in results])):
         samples = point["samples"]
         case = sweep_case("compile_overlap", point["ratio"])
         size = f"{scenario}, {point['dense_layers']} dense layers, {link}"
@@ -320,7 +320,7 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
             )
         print(
             f"{point['ratio']:5g} measured ratio (compute-only backward / T_comm) {ratio:.2f}; compiling every setup "
-            f"took {max(r['points'][0]['compile_s'] for r in results):.0f} s on the slower rank"
+            f"took {max(r['points'][index]['compile_s'] for r in results):.0f} s on the slower rank"
         )
     if load is not None:
         rows.append(csv_row("machine", "compile_overlap", link, "runnable_tasks", load, sha))

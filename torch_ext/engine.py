@@ -111,10 +111,9 @@ def _warn_once_compiled_autograd_takes_backward() -> None:
 
 
 def _run_on_torch_ext(args: tuple, kwargs: dict, overrides) -> tuple | None:
-    """``_EngineBase.run_backward(*args, **kwargs)`` on torch_ext's engine, with the call's priorities; a traced
-    call (:func:`_is_traced`) on the stock engine, where priorities do not apply."""
-    if _is_traced_call(args, kwargs):
-        return _STOCK_ENGINE.run_backward(*args, **kwargs)
+    """``_EngineBase.run_backward(*args, **kwargs)`` on torch_ext's engine, with the call's priorities. The caller has
+    sent a traced call (:func:`_is_traced_call`) to the stock engine already: the router before its entry hooks (so
+    a call a hook took is not traced either), ``Engine.run_backward`` itself."""
     if _compiled_autograd_enabled():
         if overrides:
             raise RuntimeError(
@@ -139,7 +138,10 @@ class Engine:
         ``priorities`` (``{tensor, Node or GradientEdge: int}``) apply to this call only, as for
         :func:`torch_ext.backward`.
         """
-        return _run_on_torch_ext(args, kwargs, priority_overrides(priorities, "Engine.run_backward"))
+        overrides = priority_overrides(priorities, "Engine.run_backward")
+        if _is_traced_call(args, kwargs):
+            return _STOCK_ENGINE.run_backward(*args, **kwargs)  # priorities do not apply to a traced call
+        return _run_on_torch_ext(args, kwargs, overrides)
 
     def queue_callback(self, callback) -> None:
         """Runs ``callback`` when the current backward pass finishes (as DDP and FSDP do)."""
