@@ -17,6 +17,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             item.add_marker(pytest.mark.slow)
+    # Loading the test accelerator makes it the process's accelerator for good (torch.accelerator, stock's
+    # device threads, torch_ext's stream paths): the tests that load it run after every other test, which
+    # then sees the process as it is without one. A stable sort keeps each group's order.
+    items.sort(key=lambda item: item.get_closest_marker("testdev") is not None)
 
 
 @pytest.fixture(autouse=True)

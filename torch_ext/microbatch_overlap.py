@@ -366,7 +366,8 @@ class MicrobatchOverlap:
 
     def _replace_rng_state_functions(self) -> None:
         """What the window still replaces, for its whole life: torch's RNG state getters and setters
-        (``get_rng_state`` and ``set_rng_state`` of ``torch``, ``torch.random`` and, with CUDA, ``torch.cuda``),
+        (``get_rng_state`` and ``set_rng_state`` of ``torch``, ``torch.random`` and, with an accelerator, its device
+        module: ``torch.cuda`` on CUDA),
         each acting only for this window's threads; docs/guides/moe.md lists them.
 
         Activation checkpointing (torch's, Megatron's, DeepSpeed's) reads and sets the generator's state through
@@ -406,10 +407,22 @@ class MicrobatchOverlap:
         for module in (torch, torch.random):
             replace(module, "get_rng_state", lambda original: sectioned_get_rng_state(original, "cpu"))
             replace(module, "set_rng_state", lambda original: sectioned_set_rng_state(original, "cpu", cpu_get))
-        if torch.cuda.is_available():
-            cuda_get = torch.cuda.get_rng_state
-            replace(torch.cuda, "get_rng_state", lambda original: sectioned_get_rng_state(original, "cuda"))
-            replace(torch.cuda, "set_rng_state", lambda original: sectioned_set_rng_state(original, "cuda", cuda_get))
+        # The accelerator's generators through its device module (torch.cuda on CUDA), where checkpointing
+        # reads them: torch.utils.checkpoint asks torch.get_device_module, Megatron and DeepSpeed torch.cuda.
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        if accelerator is not None:
+            device_module = torch.get_device_module(accelerator)
+            device_get = device_module.get_rng_state
+            replace(
+                device_module,
+                "get_rng_state",
+                lambda original: sectioned_get_rng_state(original, accelerator.type),
+            )
+            replace(
+                device_module,
+                "set_rng_state",
+                lambda original: sectioned_set_rng_state(original, accelerator.type, device_get),
+            )
 
 
 def _all_require_grad(roots: tuple) -> bool:

@@ -48,8 +48,8 @@ def run_command(args) -> int:
     # Under torchrun: the process group, before the module's import (which may build a sharded model).
     started_group = False
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if torch.accelerator.is_available():
+            torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group()
         started_group = True
     try:

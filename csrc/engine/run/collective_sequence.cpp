@@ -175,9 +175,9 @@ c10::Stream CollectiveSequence::move_to_side_stream(
     const c10::Stream& node_stream,
     const torch::autograd::variable_list& inputs) {
   const c10::Device device = node_stream.device();
+  const c10::impl::VirtualGuardImpl guard{device.type()};
   auto side = side_streams_.find(device);
   if (side == side_streams_.end()) {
-    const c10::impl::VirtualGuardImpl guard{device.type()};
     side = side_streams_.emplace(device, guard.getNewStream(device)).first;
   }
   const c10::Stream lane_stream = side->second;
@@ -189,10 +189,13 @@ c10::Stream CollectiveSequence::move_to_side_stream(
   lane_stream.wait(inputs_ready);
   // The inputs were allocated on other streams and are freed when the node
   // returns, while the side stream may still read them: the caching
-  // allocator must not hand their memory out before it has.
+  // allocator must not hand their memory out before it has. Through the
+  // device guard, not Tensor::record_stream: torch registers
+  // aten::record_stream for CUDA only, and the guard reaches any
+  // accelerator's allocator (CUDA's guard calls its caching allocator).
   for (const auto& input : inputs) {
     if (input.defined() && input.device() == device) {
-      input.record_stream(lane_stream);
+      guard.recordDataPtrOnStream(input.storage().data_ptr(), lane_stream);
     }
   }
   return lane_stream;
