@@ -32,6 +32,10 @@ TORCHREC_DEPENDENCIES = [
 # install, and JIT-builds only a CPU comm op at its first init_distributed) and a Hugging Face training loop
 # (tests/test_plan_cache.py).
 CLIENT_LIBRARIES = ["megatron-core==0.16.1", "deepspeed==0.19.8", "transformers==5.24.0"]
+# What torchtitan's Trainer imports beyond torchtitan itself (installed with --no-deps, README quickstart), for
+# torch_ext.integrations.torchtitan's test. datasets 5.2: torchtitan 0.3.0 asks for <4.8, whose releases want
+# huggingface_hub<2, older than transformers 5.24 needs; 5.2 takes hub 2.x, and torchtitan's trainer runs with it.
+TORCHTITAN_TRAINER_DEPENDENCIES = ["torchdata==0.11.0", "tensorboard==2.21.0", "datasets==5.2.0"]
 # The documentation (docs/, built by .ci/run with warnings as errors): Sphinx, and myst-parser for the guides in
 # Markdown. Pinned together: myst-parser 5.2 supports Sphinx 8-9; both install on Python 3.11.
 DOCS_REQUIREMENTS = ["sphinx==9.0.4", "myst-parser==5.2.0"]
@@ -86,6 +90,7 @@ setup(
             "tqdm",
             *TORCHREC_DEPENDENCIES,
             *CLIENT_LIBRARIES,
+            *TORCHTITAN_TRAINER_DEPENDENCIES,
             # .ci/run builds the docs after the tests, from the README's install command, and lints.
             *DOCS_REQUIREMENTS,
             *LINT_REQUIREMENTS,

@@ -31,8 +31,7 @@ import torch_ext
 
 pytest.importorskip(
     "torchtitan.trainer",
-    reason="torchtitan's Trainer needs torchdata, tensorboard and datasets (pip install torchdata==0.11.0 "
-    "tensorboard==2.20.0 datasets==4.7.0)",
+    reason="torchtitan's Trainer needs torchdata, tensorboard and datasets (the [test] extra installs them)",
 )
 
 pytestmark = pytest.mark.distributed
