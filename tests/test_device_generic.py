@@ -73,3 +73,15 @@ def test_the_check_finds_a_cuda_only_call():
         ]
     finally:
         planted.unlink()
+
+
+def test_the_gpu_check_script_runs_what_exists():
+    """tools/gpu_check.sh runs only on a machine with a GPU, which CI never has: its syntax and the files it runs
+    are checked here, so that it has not rotted when a session is lent one."""
+    import subprocess
+
+    script = ROOT / "tools" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    named = re.findall(r"\b((?:tests|benchmarks)/[\w/]+\.py)\b", script.read_text())
+    assert "tests/test_accelerator_streams.py" in named
+    assert [name for name in named if not (ROOT / name).is_file()] == []

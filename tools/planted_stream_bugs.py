@@ -93,6 +93,7 @@ def run_tests(directory: Path, pytest_args: list[str]) -> tuple[int, list[str]]:
         **os.environ,
         "PYTHONPATH": str(directory),  # ahead of an editable install of the checkout
         "TESTDEV_BUILD_DIR": str(directory / "testdev-build"),
+        "COLUMNS": "300",  # room for each failure's message in pytest's summary lines
     }
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *pytest_args],
