@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 import pytest
@@ -17,10 +18,53 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             item.add_marker(pytest.mark.slow)
-    # Loading the test accelerator makes it the process's accelerator for good (torch.accelerator, stock's
-    # device threads, torch_ext's stream paths): the tests that load it run after every other test, which
-    # then sees the process as it is without one. A stable sort keeps each group's order.
-    items.sort(key=lambda item: item.get_closest_marker("testdev") is not None)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_TestDeviceApart(), "torch_ext_test_device_apart")
+
+
+class _TestDeviceApart:
+    """The tests that load the test accelerator (tests/testdev, marked ``testdev``) run in a pytest process of
+    their own, at the end of the session, when the session has other tests too.
+
+    Loaded, the device is the process's accelerator for good, and stock's engine cannot run its nodes if the
+    process ran a backward before: stock sizes its device threads' queues once, at its first backward, from the
+    devices there are then (engine.cpp's start_device_threads; a later device fails its INTERNAL ASSERT). The
+    other tests see the process as CPU users have it, without an accelerator.
+    """
+
+    # Set in the process that runs them.
+    CHILD = "TORCH_EXT_TESTDEV_CHILD"
+
+    def __init__(self) -> None:
+        self.deferred: list[str] = []
+
+    @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+    def pytest_collection_modifyitems(self, items):
+        if os.environ.get(self.CHILD):
+            return
+        loading = [item for item in items if item.get_closest_marker("testdev") is not None]
+        if loading and len(loading) < len(items):
+            items[:] = [item for item in items if item.get_closest_marker("testdev") is None]
+            self.deferred = [item.nodeid for item in loading]
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if not self.deferred or exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+            return
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.write_sep("=", f"{len(self.deferred)} tests on the test accelerator, in a process of their own")
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *self.deferred],
+            cwd=session.config.rootpath,
+            env={**os.environ, self.CHILD: "1"},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        reporter.write(done.stdout + done.stderr)
+        if done.returncode != 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)
