@@ -68,18 +68,22 @@ setup(
     version="0.1.0",
     description="An autograd engine for PyTorch with control over backward order",
     packages=[
-        *find_packages(include=["torch_ext", "torch_ext.*", "triton_kernels", "triton_kernels.*"]),
+        *find_packages(include=["torch_ext", "torch_ext.*"]),
+        # The Triton kernels, installed inside torch_ext: a top-level triton_kernels would clash with the package
+        # of that name that PyPI's triton-kernels (Triton's own) installs. torch_ext/__init__.py gives a checkout
+        # run in place the same name.
+        "torch_ext._triton_kernels",
         # The benchmark scripts, for `python -m torch_ext bench` (torch_ext/bench.py) when installed from a wheel.
         # They stay scripts in benchmarks/ (no __init__.py: they import _common from their own directory).
         "torch_ext.benchmarks",
     ],
-    package_dir={"torch_ext.benchmarks": "benchmarks"},
+    package_dir={"torch_ext._triton_kernels": "triton_kernels", "torch_ext.benchmarks": "benchmarks"},
     python_requires=">=3.10",
     install_requires=[f"torch=={TORCH_PIN}"],
     extras_require={
-        # The GPU kernels of triton_kernels/; without triton the ops run their torch references. Pinned to
-        # the minor version the kernels were tested with; it requires no other package (no torch). Linux
-        # only: there are no other wheels.
+        # The GPU kernels of triton_kernels/ (torch_ext._triton_kernels); without triton the ops run their torch
+        # references. Pinned to the minor version the kernels were tested with; it requires no other package (no
+        # torch). Linux only: there are no other wheels.
         "triton": [TRITON_REQUIREMENT],
         # tests/triton/ runs the kernels on CPU through Triton's interpreter.
         "test": [

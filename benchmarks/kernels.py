@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from triton.testing import do_bench
 
-        from triton_kernels import multi_tensor
+        from torch_ext._triton_kernels import multi_tensor
     except ImportError as e:
         print(f"triton is not installed ({e}): pip install -e '.[triton]' (nothing measured)")
         return 0

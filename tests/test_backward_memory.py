@@ -115,8 +115,8 @@ def test_priorities_reorder(name):
     # A priority graph measures a reordered schedule only if its priority changes torch_ext's order.
     graph = GRAPHS[name]()
     priorities = {graph.priority_target: PRIORITY}
-    plain = torch_ext.execution_order(graph.loss)
-    assert torch_ext.execution_order(graph.loss, priorities=priorities) != plain
+    plain = torch_ext.debug.execution_order(graph.loss)
+    assert torch_ext.debug.execution_order(graph.loss, priorities=priorities) != plain
 
 
 def test_peak_memory_counts_a_known_allocation():

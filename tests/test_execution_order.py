@@ -1,4 +1,4 @@
-"""torch_ext.execution_order and the current-node path: the predicted order is the order that runs."""
+"""torch_ext.debug.execution_order and the current-node path: the predicted order is the order that runs."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _traced_order(run) -> list[str]:
 def test_execution_order_is_the_order_backward_runs(with_priority):
     loss, lookup, *_ = recsys_like()
     priorities = {lookup: 7} if with_priority else None
-    predicted = [node.name() for node in torch_ext.execution_order(loss, priorities=priorities)]
+    predicted = [node.name() for node in torch_ext.debug.execution_order(loss, priorities=priorities)]
     ran = _traced_order(lambda: torch_ext.backward(loss, priorities=priorities, retain_graph=True))
     assert predicted == ran
 
@@ -39,24 +39,24 @@ def test_execution_order_without_priorities_is_stock_order():
     with torch.autograd.set_multithreading_enabled(False):
         loss.backward(retain_graph=True)
     hook.remove()
-    assert [n.name() for n in torch_ext.execution_order(loss)] == stock
-    assert [n.name() for n in torch_ext.execution_order(loss, priorities={lookup: 7})] != stock
+    assert [n.name() for n in torch_ext.debug.execution_order(loss)] == stock
+    assert [n.name() for n in torch_ext.debug.execution_order(loss, priorities={lookup: 7})] != stock
 
 
 def test_execution_order_of_grad_lists_the_needed_nodes_only():
     x = torch.randn(4, requires_grad=True)
     w = torch.randn(4, 4, requires_grad=True)
     loss = (x @ w).tanh().sum()
-    predicted = [n.name() for n in torch_ext.execution_order(loss, inputs=[x])]
+    predicted = [n.name() for n in torch_ext.debug.execution_order(loss, inputs=[x])]
     ran = _traced_order(lambda: torch_ext.grad(loss, [x], retain_graph=True))
     assert predicted == ran
 
 
 def test_execution_order_rejects_bad_input():
     with pytest.raises(TypeError, match="must be Tensors or GradientEdges"):
-        torch_ext.execution_order([3])
+        torch_ext.debug.execution_order([3])
     with pytest.raises(RuntimeError, match="does not require grad"):
-        torch_ext.execution_order(torch.zeros(2))
+        torch_ext.debug.execution_order(torch.zeros(2))
 
 
 def test_current_graph_task_execution_order_reports_torch_ext_priorities():
@@ -65,7 +65,9 @@ def test_current_graph_task_execution_order_reports_torch_ext_priorities():
     loss.grad_fn.register_prehook(lambda grads: seen.append(torch._C._current_graph_task_execution_order()))
     with torch.autograd.set_multithreading_enabled(False):
         torch_ext.backward(loss, priorities={lookup: 7}, retain_graph=True)
-    assert [n.name() for n in seen[0]] == [n.name() for n in torch_ext.execution_order(loss, priorities={lookup: 7})]
+    assert [n.name() for n in seen[0]] == [
+        n.name() for n in torch_ext.debug.execution_order(loss, priorities={lookup: 7})
+    ]
 
 
 @pytest.mark.slow
@@ -78,7 +80,7 @@ def test_current_node_switch(mode):
         "seen = []\n"
         "y.grad_fn.register_prehook(lambda g: seen.append(torch._C._current_autograd_node().name()))\n"
         "torch_ext.backward(y.sum())\n"
-        "print(torch_ext.is_current_node_supported(), seen[0])\n"
+        "print(torch_ext.debug.is_current_node_supported(), seen[0])\n"
     )
     env = dict(os.environ, TORCH_EXT_CURRENT_NODE=mode)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
@@ -91,6 +93,28 @@ def test_current_node_switch(mode):
         # current node, which the "off" case checks.
         pytest.skip("the current-node slot is unsupported with this torch build")
     assert current == "ExpBackward0"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_is_current_node_supported_asked_first_leaves_the_caller_alone(mode):
+    # Asked before any backward, the engine's answer is settled by one probe backward, on a thread of its own:
+    # under the caller's inference mode a backward on the caller's thread would raise. Asked again, it only
+    # reads the answer: no backward runs (the trace records none).
+    code = (
+        "import torch, torch_ext\n"
+        "with torch.inference_mode():\n"
+        "    supported = torch_ext.debug.is_current_node_supported()\n"
+        "with torch_ext.trace() as t:\n"
+        "    assert torch_ext.debug.is_current_node_supported() is supported\n"
+        "print(supported, len(t.events))\n"
+    )
+    env = dict(os.environ, TORCH_EXT_CURRENT_NODE=mode)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    supported, events = out.split()
+    assert events == "0"
+    if mode == "off":
+        assert supported == "False"
 
 
 @pytest.mark.slow
@@ -143,7 +167,7 @@ def test_execution_order_predicts_where_the_executor_waits_on_a_collective(one_r
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anomaly mode's own warning
         with anomaly:
-            predicted = [n.name() for n in torch_ext.execution_order(loss)]
+            predicted = [n.name() for n in torch_ext.debug.execution_order(loss)]
             ran = _traced_order(lambda: torch_ext.backward(loss, retain_graph=True))
     assert predicted == ran
     # The cases differ where they should: the late slot only when the result is in flight.

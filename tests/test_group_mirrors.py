@@ -75,7 +75,7 @@ def test_a_mirror_connects_lazily_so_making_it_waits_for_no_rank(one_rank_world)
     assert time.monotonic() - start < 5
 
 
-def test_the_group_argument_is_ignored_with_a_warning(one_rank_world):
-    with pytest.warns(FutureWarning, match=r"check_collective_order\(group=...\) is ignored"):
-        torch_ext.check_collective_order(group=dist.group.WORLD)
-    assert order_check._checker is not None
+def test_the_group_argument_is_gone():
+    # Deprecated before 0.1.0 and removed with it: the check exchanges over a mirror of each group it sees.
+    with pytest.raises(TypeError, match="group"):
+        torch_ext.check_collective_order(group=object())

@@ -213,7 +213,7 @@ def test_collectives_start_in_the_plans_order_whatever_finishes_first(lane):
     second = exchange(x.cos(), 0.0, "second")
     first = exchange(torch.tanh(second), 0.2, "first")
     loss = first.sum() + third.sum()
-    planned = [node.name() for node in torch_ext.execution_order(loss) if node.name() == "LaneExchangeBackward"]
+    planned = [node.name() for node in torch_ext.debug.execution_order(loss) if node.name() == "LaneExchangeBackward"]
     assert len(planned) == 3
     torch_ext.backward(loss)
     assert [label for label, _ in started] == ["first", "second", "third"]

@@ -72,15 +72,21 @@ def test_engine_folders_include_only_the_ones_before_them():
     assert not found, "\n".join(found)
 
 
-def module_imports(package_root: Path) -> dict[str, set[str]]:
-    """Each module of the package at ``package_root`` -> the package's modules it imports, anywhere in it
-    (a function's lazy import counts: it is the same dependency, deferred)."""
+# Subpackages installed from a folder outside the package's own (setup.py's package_dir): name -> folder.
+MAPPED_SUBPACKAGES = {"torch_ext._triton_kernels": ROOT / "triton_kernels"}
+
+
+def module_imports(package_root: Path, mapped: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """Each module of the package at ``package_root`` (and of the ``mapped`` subpackages, ``name -> folder``) -> the
+    package's modules it imports, anywhere in it (a function's lazy import counts: it is the same dependency,
+    deferred)."""
     modules = {}
-    for path in package_root.rglob("*.py"):
-        parts = list(path.relative_to(package_root.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        modules[".".join(parts)] = path
+    for prefix, folder in [(package_root.name, package_root), *(mapped or {}).items()]:
+        for path in folder.rglob("*.py"):
+            parts = [*prefix.split("."), *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
 
     def owner(name: str) -> str | None:
         while name and name not in modules:
@@ -135,8 +141,10 @@ def import_circles(imports: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_python_modules_import_each_other():
-    package = module_imports(ROOT / "torch_ext")
+    package = module_imports(ROOT / "torch_ext", MAPPED_SUBPACKAGES)
     assert "torch_ext.engine" in package["torch_ext"]  # the walk sees imports at all
+    assert package["torch_ext.kernels"] >= {"torch_ext._triton_kernels.multi_tensor_ref"}
+    assert package["torch_ext._triton_kernels.multi_tensor"] == {"torch_ext._triton_kernels.multi_tensor_ref"}
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     benchmarks = {
         f"benchmarks.{module}": {f"benchmarks.{name}" for name in names}

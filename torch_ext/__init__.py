@@ -4,25 +4,48 @@ Importing torch_ext loads its C++ engine first and fails loudly (naming the torc
 for and the one it found) when that is not possible; see torch_ext/_loader.py.
 """
 
-# The names outside __all__ are deprecated, kept for one release (torch_ext._api): each warns, naming its
-# replacement.
-from torch_ext import verify  # the module, callable: torch_ext.verify(step) is torch_ext.verify.verify(step)
+
+def _import_checkout_triton_kernels() -> None:
+    """Imports the repository's top-level triton_kernels/ folder as ``torch_ext._triton_kernels`` when torch_ext
+    runs from a checkout that does not have that name.
+
+    setup.py installs the folder under that name (its package_dir), in a wheel and in an editable install, so
+    that torch_ext takes no top-level name besides its own: PyPI's triton-kernels installs a ``triton_kernels``.
+    """
+    import importlib.util  # here, not at the top: torch_ext's namespace holds only its API
+    import os
+    import sys
+
+    name = f"{__name__}._triton_kernels"
+    if importlib.util.find_spec(name) is not None:
+        return
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "triton_kernels")
+    init = os.path.join(folder, "__init__.py")
+    if not os.path.isfile(init):  # neither installed nor a checkout: torch_ext.kernels' import names the module
+        return
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+_import_checkout_triton_kernels()
+del _import_checkout_triton_kernels
+
+from torch_ext import (
+    debug,
+    verify,  # the module, callable: torch_ext.verify(step) is torch_ext.verify.verify(step)
+)
 from torch_ext.collectives import (
     check_collective_order,
-    collective_check_count,
     collective_role,
     register_collective_backward,
     run_in_lane,
     unregister_collective_backward,
 )
-from torch_ext.collectives import collective_checks as collective_checks
 from torch_ext.compiler import compile_backend
-from torch_ext.current_node import current_node_supported as current_node_supported
-from torch_ext.current_node import is_current_node_supported
 from torch_ext.engine import Engine, backward, disable, enable, grad, is_enabled
-from torch_ext.engine import enabled as enabled
 from torch_ext.microbatch_overlap import MicrobatchOverlap, overlap_microbatches
-from torch_ext.order import execution_order
 from torch_ext.priority import (
     LAUNCH_FIRST,
     clear_priority,
@@ -32,8 +55,6 @@ from torch_ext.priority import (
     set_auto_collective_priority_enabled,
     set_priority,
 )
-from torch_ext.priority import auto_collective_priority as auto_collective_priority
-from torch_ext.priority import set_auto_collective_priority as set_auto_collective_priority
 from torch_ext.split import (
     SplitState,
     backward_input,
@@ -41,7 +62,6 @@ from torch_ext.split import (
     get_weight_accumulation_batching,
     set_weight_accumulation_batching,
 )
-from torch_ext.split import weight_accumulation_batching as weight_accumulation_batching
 from torch_ext.tracing import Trace, trace
 from torch_ext.verify import VerifyReport
 
@@ -57,17 +77,15 @@ __all__ = [
     "backward_weight",
     "check_collective_order",
     "clear_priority",
-    "collective_check_count",
     "collective_role",
     "compile_backend",
+    "debug",
     "disable",
     "enable",
-    "execution_order",
     "get_priority",
     "get_weight_accumulation_batching",
     "grad",
     "is_auto_collective_priority_enabled",
-    "is_current_node_supported",
     "is_enabled",
     "kernels",
     "launch_first",

@@ -1,4 +1,4 @@
-"""The conventions of torch_ext's public API, and the deprecated names kept for one release.
+"""The conventions of torch_ext's public API.
 
 Names follow PyTorch's: a process-wide on/off setting is ``is_<x>_enabled()`` and ``set_<x>_enabled(bool)``
 (``torch.is_grad_enabled``/``torch.set_grad_enabled``), any other setting ``get_<x>()`` and ``set_<x>(value)``
@@ -9,10 +9,7 @@ once and returns a :class:`Undo`, so that ``with torch_ext.set_<x>(...):`` limit
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Callable
-from typing import Any
 
 
 class Undo:
@@ -39,28 +36,3 @@ class Undo:
 
     def __repr__(self) -> str:
         return f"<torch_ext.{self._what}: done; as a context manager, undone at the block's end>"
-
-
-# FutureWarning rather than DeprecationWarning: Python shows it by default, and these names are called from
-# users' code, where a DeprecationWarning would be hidden until the name is gone.
-def deprecated(old_name: str, new_name: str, replacement: Callable[..., Any], hint: str = "") -> Callable[..., Any]:
-    """``old_name`` (``"torch_ext.x"``) as a function that warns, naming ``new_name`` (and ``hint``), and calls
-    ``replacement``."""
-
-    @functools.wraps(replacement)
-    def alias(*args, **kwargs):
-        warn_deprecated(old_name, new_name, hint)
-        return replacement(*args, **kwargs)
-
-    alias.__name__ = alias.__qualname__ = old_name.rpartition(".")[2]
-    alias.__doc__ = f"Deprecated: use :func:`{new_name}`{hint}. ``{old_name}`` will be removed in the next release."
-    return alias
-
-
-def warn_deprecated(old_name: str, new_name: str, hint: str = "") -> None:
-    """Warns that ``old_name`` was called, from its caller's caller (the user's line)."""
-    warnings.warn(
-        f"{old_name} is deprecated and will be removed in the next release; use {new_name}{hint}",
-        FutureWarning,
-        stacklevel=3,
-    )

@@ -28,7 +28,7 @@ def _built_for() -> str | None:
 # torch_ext is imported, so a mistyped value fails there, naming the variable, whichever module reads it.
 #
 # TORCH_EXT_CURRENT_NODE: on makes each node the current autograd node while it runs where that can be done
-# safely; off forces the portable path (torch_ext.is_current_node_supported()).
+# safely; off forces the portable path (torch_ext.debug.is_current_node_supported()).
 CURRENT_NODE_VARIABLE = "TORCH_EXT_CURRENT_NODE"
 # TORCH_EXT_PLAN_CACHE: on replays a backward plan on later calls of the same graph structure
 # (csrc/engine/plan/plan_cache.h); off plans every call afresh.

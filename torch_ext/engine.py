@@ -32,7 +32,7 @@ from torch.autograd import graph as autograd_graph
 from torch.autograd.variable import Variable
 from torch.utils.hooks import RemovableHandle
 
-from torch_ext._api import Undo, deprecated
+from torch_ext._api import Undo
 from torch_ext._loader import _C
 from torch_ext.priority import priority_overrides
 
@@ -306,9 +306,6 @@ def disable() -> None:
 def is_enabled() -> bool:
     """Whether torch.autograd currently runs every backward on torch_ext's engine."""
     return _router is not None and _router.enabled_depth > 0
-
-
-enabled = deprecated("torch_ext.enabled", "torch_ext.enable", enable, hint=", a context manager too")
 
 
 # What a plain call's stock Python does besides argument handling, mirrored by the direct calls below

@@ -9,12 +9,12 @@ of launches, not bandwidth, sets the cost. These ops are registered in the ``tor
 - ``torch_ext::unpack_(Tensor flat, Tensor(a!)[] outs, float scale=1.) -> ()``
 
 Arithmetic is in fp32 whatever the storage dtype (float32, float16, bfloat16), rounded once to the
-destination dtype. On CUDA they run the Triton kernels of triton_kernels/multi_tensor.py, one launch per
-dtype combination in the list; on CPU, and on CUDA with ``set_triton_enabled(False)`` or ``TORCH_EXT_TRITON=off``
-in the environment, or without triton installed, the plain-torch references of
-triton_kernels/multi_tensor_ref.py (torch foreach ops and copies). Non-contiguous tensors give the same
-results on every path: on CUDA they are copied to contiguous ones when read-only, and handed to the
-reference when written.
+destination dtype. On CUDA they run the Triton kernels of triton_kernels/multi_tensor.py (installed as
+torch_ext._triton_kernels), one launch per dtype combination in the list; on CPU, and on CUDA with
+``set_triton_enabled(False)`` or ``TORCH_EXT_TRITON=off`` in the environment, or without triton installed,
+the plain-torch references of triton_kernels/multi_tensor_ref.py (torch foreach ops and copies).
+Non-contiguous tensors give the same results on every path: on CUDA they are copied to contiguous ones when
+read-only, and handed to the reference when written.
 
 Under torch.compile (and any other tracing) the ops decompose into the references, which Inductor fuses
 itself: the kernels address tensors through a table of runtime addresses, which a traced graph cannot
@@ -33,9 +33,15 @@ from types import ModuleType
 import torch
 from torch.library import triton_op, wrap_triton
 
-from torch_ext._api import Undo, deprecated, warn_deprecated
+from torch_ext._api import Undo
 from torch_ext._loader import TRITON_VARIABLE, switch_on
-from triton_kernels.multi_tensor_ref import SUPPORTED_DTYPES, accumulate_ref_, pack_ref, sum_n_ref, unpack_ref_
+from torch_ext._triton_kernels.multi_tensor_ref import (
+    SUPPORTED_DTYPES,
+    accumulate_ref_,
+    pack_ref,
+    sum_n_ref,
+    unpack_ref_,
+)
 
 __all__ = ["is_triton_enabled", "multi_tensor_accumulate_", "pack", "set_triton_enabled", "sum_n", "unpack_"]
 
@@ -64,21 +70,6 @@ def is_triton_enabled() -> bool:
     """Whether CUDA tensors go to the Triton kernels (:func:`set_triton_enabled`); False also when triton is not
     installed."""
     return _use_triton and _multi_tensor_kernels() is not None
-
-
-def use_triton(enabled: bool) -> bool:
-    """Deprecated: use :func:`set_triton_enabled`. ``use_triton`` will be removed in the next release.
-
-    Turns the Triton kernels on or off, as ``set_triton_enabled`` does, and returns the previous setting."""
-    warn_deprecated("torch_ext.kernels.use_triton", "torch_ext.kernels.set_triton_enabled")
-    previous = _use_triton
-    set_triton_enabled(enabled)
-    return previous
-
-
-triton_enabled = deprecated(
-    "torch_ext.kernels.triton_enabled", "torch_ext.kernels.is_triton_enabled", is_triton_enabled
-)
 
 
 def multi_tensor_accumulate_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alpha: float = 1.0) -> None:
@@ -212,9 +203,9 @@ def _check_unpack(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
 
 
 def _multi_tensor_kernels() -> ModuleType | None:
-    """triton_kernels.multi_tensor, imported on first use; None when triton is not installed."""
+    """torch_ext._triton_kernels.multi_tensor, imported on first use; None when triton is not installed."""
     try:
-        return importlib.import_module("triton_kernels.multi_tensor")
+        return importlib.import_module("torch_ext._triton_kernels.multi_tensor")
     except ImportError:
         return None
 

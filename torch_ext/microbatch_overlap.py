@@ -68,7 +68,6 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_ext import engine as _engine
-from torch_ext._api import deprecated
 from torch_ext._handed_backward import handing
 from torch_ext._loader import _C
 
@@ -170,20 +169,6 @@ class MicrobatchOverlap:
                 backward()
 
         self._hand_over(run, rule)
-
-    def _run_backward(
-        self, backward: Callable[[], object], *, forward_collectives: ForwardCollectives = "after_backward"
-    ) -> None:
-        # The deprecated name keeps its own default, so that code still calling it runs as it did.
-        self.backward_by(backward, forward_collectives=forward_collectives)
-
-    run_backward = deprecated(
-        "torch_ext.MicrobatchOverlap.run_backward",
-        "torch_ext.MicrobatchOverlap.backward_by",
-        _run_backward,
-        hint=", whose forward_collectives defaults to the window's rule (run_backward's: 'after_backward')",
-    )
-    del _run_backward
 
     def _hand_over(self, run: Callable[[], None], rule: ForwardCollectives) -> None:
         """Waits for the backward in flight, then starts ``run`` on the backward thread under this thread's

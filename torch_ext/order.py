@@ -21,12 +21,13 @@ def _edges(targets, what: str) -> tuple[GradientEdge, ...]:
         elif isinstance(target, torch.Tensor):
             if not target.requires_grad:
                 raise RuntimeError(
-                    f"torch_ext.execution_order: element {i} of {what} does not require grad and does not have a grad_fn"
+                    f"torch_ext.debug.execution_order: element {i} of {what} does not require grad and does not have "
+                    "a grad_fn"
                 )
             edges.append(get_gradient_edge(target))
         else:
             raise TypeError(
-                f"torch_ext.execution_order: {what} must be Tensors or GradientEdges, got {type(target).__name__}"
+                f"torch_ext.debug.execution_order: {what} must be Tensors or GradientEdges, got {type(target).__name__}"
             )
     return tuple(edges)
 
@@ -47,8 +48,8 @@ def execution_order(outputs, inputs=None, priorities=None) -> list[Node]:
     roots = _edges(outputs, "outputs")
     input_edges = _edges(inputs, "inputs") if inputs is not None else ()
     if inputs is not None and not input_edges:
-        raise RuntimeError("torch_ext.execution_order: inputs cannot be empty")
-    return _C.execution_order(roots, input_edges, priority_overrides(priorities, "execution_order"))
+        raise RuntimeError("torch_ext.debug.execution_order: inputs cannot be empty")
+    return _C.execution_order(roots, input_edges, priority_overrides(priorities, "debug.execution_order"))
 
 
 def _current_graph_task_execution_order() -> list[Node]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from torch_ext._api import Undo, deprecated
+from torch_ext._api import Undo
 from torch_ext._loader import _C
 
 
@@ -130,18 +130,6 @@ def set_auto_collective_priority_enabled(enabled: bool) -> Undo:
 def is_auto_collective_priority_enabled() -> bool:
     """Whether collectives are prioritised automatically (:func:`set_auto_collective_priority_enabled`)."""
     return _C.auto_collective_priority()
-
-
-set_auto_collective_priority = deprecated(
-    "torch_ext.set_auto_collective_priority",
-    "torch_ext.set_auto_collective_priority_enabled",
-    set_auto_collective_priority_enabled,
-)
-auto_collective_priority = deprecated(
-    "torch_ext.auto_collective_priority",
-    "torch_ext.is_auto_collective_priority_enabled",
-    is_auto_collective_priority_enabled,
-)
 
 
 def priority_overrides(priorities, api: str) -> list[tuple[Node, int, bool]] | None:

@@ -25,7 +25,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 from torch.overrides import is_tensor_like
 
-from torch_ext._api import Undo, deprecated
+from torch_ext._api import Undo
 from torch_ext._loader import _C
 from torch_ext.engine import _compiled_autograd_enabled, _is_tracing
 
@@ -124,10 +124,3 @@ def set_weight_accumulation_batching(mode: str) -> Undo:
 def get_weight_accumulation_batching() -> str:
     """The mode :func:`set_weight_accumulation_batching` set."""
     return _C.weight_accumulation_batching()
-
-
-weight_accumulation_batching = deprecated(
-    "torch_ext.weight_accumulation_batching",
-    "torch_ext.get_weight_accumulation_batching",
-    get_weight_accumulation_batching,
-)

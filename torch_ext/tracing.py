@@ -7,7 +7,7 @@
     t.plot("bw.png")                # a timeline (needs matplotlib: pip install torch_ext[bench])
 
 Every backward that torch_ext's engine runs while the ``with`` block is active is recorded, on any
-thread: ``torch_ext.backward``/``grad``, ``loss.backward()`` under :func:`torch_ext.enabled`, and
+thread: ``torch_ext.backward``/``grad``, ``loss.backward()`` under :func:`torch_ext.enable`, and
 the two passes of split backward. A call is recorded if tracing was on when it started and it
 finished before the block ended. ``Trace.events`` is filled when the block exits. Traces do not
 nest: entering one while another is active (on any thread) raises ``RuntimeError``.

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels.multi_tensor_ref import SUPPORTED_DTYPES
+from .multi_tensor_ref import SUPPORTED_DTYPES
 
 # Elements per program. Not measured on a GPU (none on the machine these kernels were written on):
 # large enough that a program's fixed cost (reading its table entry) is small against 4096 elements

@@ -440,7 +440,7 @@ PyMethodDef methods[] = {
      py_execution_order,
      METH_VARARGS,
      "execution_order(roots, inputs, priorities) -> [Node]: the nodes a "
-     "torch_ext backward would run, in its order (torch_ext.execution_order)."},
+     "torch_ext backward would run, in its order (torch_ext.debug.execution_order)."},
     {"_current_execution_order",
      py_current_execution_order,
      METH_NOARGS,

@@ -203,11 +203,11 @@ def _run(rank: int) -> dict:
     with torch_ext.enable():
         loss.backward()
     results["after_errors"] = [leaf.grad for leaf in leaves]
-    results["checks"] = torch_ext.collective_check_count()
+    results["checks"] = torch_ext.debug.collective_check_count()
     # A group made after the check was switched on: its mirror is made at its first checked backward.
     late = dist.new_group([0, 1])
     results["late_group"] = _backward_on_torch_ext(*_on_group_loss(late))
-    results["late_group_checks"] = torch_ext.collective_check_count() - results["checks"]
+    results["late_group_checks"] = torch_ext.debug.collective_check_count() - results["checks"]
     torch_ext.check_collective_order(False)
     loss, leaves = _on_group_loss(late)
     loss.backward()

@@ -334,7 +334,7 @@ CONCERNS = {
 
 def _run_concern(concern: str, rank: int) -> dict:
     results = {key: run(rank) for key, run in CONCERNS[concern].items()}
-    results["current_node_supported"] = torch_ext.is_current_node_supported()
+    results["current_node_supported"] = torch_ext.debug.is_current_node_supported()
     return results
 
 

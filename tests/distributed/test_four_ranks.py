@@ -199,7 +199,7 @@ def _run_on_four_ranks(rank: int) -> dict:
     torch_ext.check_collective_order(timeout=LAYOUT_TIMEOUT)
     try:
         results = {"train": {"stock": _train(rank, groups, False), "torch_ext": _train(rank, groups, True)}}
-        results["checks"] = torch_ext.collective_check_count()
+        results["checks"] = torch_ext.debug.collective_check_count()
         results.update(_divergence_cases(rank, groups))
     finally:
         torch_ext.check_collective_order(False)

@@ -104,7 +104,7 @@ def _train(case: None, rank: int, on_torch_ext: bool) -> dict:
 
 def _train_on_both(rank: int) -> dict:
     results = train_on_both_engines({"top1_uneven": None}, _train, rank)
-    results["current_node_supported"] = torch_ext.is_current_node_supported()
+    results["current_node_supported"] = torch_ext.debug.is_current_node_supported()
     return results
 
 

@@ -1,7 +1,7 @@
-"""Runs triton_kernels' Triton kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
+"""Runs torch_ext._triton_kernels' Triton kernels (the repository's triton_kernels/) on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
 
 triton.jit reads TRITON_INTERPRET when a kernel is defined and the interpreter reads it again while a kernel
-runs, but the rest of the suite must not see it: on a GPU machine triton_kernels.multi_tensor is compiled
+runs, but the rest of the suite must not see it: on a GPU machine torch_ext._triton_kernels.multi_tensor is compiled
 for the GPU and tests/test_kernels.py uses it. So the ``interpreted`` fixture loads a private copy of a
 kernel module with the variable set, and every test in this directory runs with it set. This works in one
 process with the whole suite, whatever imported triton first. ``compiled_multi_tensor`` loads another copy
@@ -53,13 +53,13 @@ def load_private_copy(module_name: str, interpret: bool) -> ModuleType:
 
 @pytest.fixture
 def multi_tensor(interpret_triton) -> ModuleType:
-    """triton_kernels.multi_tensor, interpreted."""
-    return load_private_copy("triton_kernels.multi_tensor", interpret=True)
+    """torch_ext._triton_kernels.multi_tensor, interpreted."""
+    return load_private_copy("torch_ext._triton_kernels.multi_tensor", interpret=True)
 
 
 @pytest.fixture
 def compiled_multi_tensor(interpret_triton, monkeypatch, tmp_path) -> ModuleType:
-    """triton_kernels.multi_tensor compiled for a GPU, without Triton's cache (a fresh one per test)."""
+    """torch_ext._triton_kernels.multi_tensor compiled for a GPU, without Triton's cache (a fresh one per test)."""
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    return load_private_copy("triton_kernels.multi_tensor", interpret=False)
+    return load_private_copy("torch_ext._triton_kernels.multi_tensor", interpret=False)

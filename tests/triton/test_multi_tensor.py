@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import torch_ext.kernels
+from torch_ext._triton_kernels import multi_tensor_ref as ref
 from torch_ext.testing import assert_identical
-from triton_kernels import multi_tensor_ref as ref
 
 pytestmark = pytest.mark.triton
 

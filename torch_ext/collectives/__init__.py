@@ -10,7 +10,7 @@
   of backward, and refuses data parallelism that communicates on the lane's group.
 - **The order check** (``torch_ext.collectives.order_check``): with :func:`torch_ext.check_collective_order`
   on, the ranks compare the collectives each backward will issue before any starts, and every rank raises on
-  a mismatch that would hang or mix up data; :func:`torch_ext.collective_check_count` counts the exchanges.
+  a mismatch that would hang or mix up data; :func:`torch_ext.debug.collective_check_count` counts the exchanges.
 - **Twin groups** (``torch_ext.collectives.twin_groups``): a gloo group of the same ranks as a group, on which a
   backward running beside the next microbatch's forward issues that group's collectives under
   ``overlap_microbatches(forward_collectives="beside_backward_collectives")``; made on first use, hang-free.
@@ -20,18 +20,14 @@
 
 Each public name here is also ``torch_ext.<name>``. Importing torch_ext imports the three modules, and with
 them hands the engine the callbacks it asks: a node class's role, a lane node's group and the order checker.
-``torch_ext.lanes`` and ``torch_ext.collective_check``, the old paths of two of them, still import for one
-release and warn.
 """
 
 from torch_ext.collectives.lanes import run_in_lane
-from torch_ext.collectives.order_check import check_collective_order, collective_check_count
-from torch_ext.collectives.order_check import collective_checks as collective_checks
+from torch_ext.collectives.order_check import check_collective_order
 from torch_ext.collectives.roles import collective_role, register_collective_backward, unregister_collective_backward
 
 __all__ = [
     "check_collective_order",
-    "collective_check_count",
     "collective_role",
     "register_collective_backward",
     "run_in_lane",

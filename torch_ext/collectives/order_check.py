@@ -39,14 +39,12 @@ import functools
 import hashlib
 import pickle
 import threading
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torch_ext._api import deprecated
 from torch_ext._handed_backward import handed_backward
 from torch_ext._loader import _C, switch_on
 from torch_ext.collectives.group_mirrors import Group, GroupMirrors
@@ -371,9 +369,7 @@ def _overlap_mismatch_message(ranks: list[int], overlaps: list[tuple | None]) ->
 _checker: _Checker | None = None
 
 
-def check_collective_order(
-    enabled: bool = True, *, timeout: datetime.timedelta | None = None, group: Any | None = None
-) -> None:
+def check_collective_order(enabled: bool = True, *, timeout: datetime.timedelta | None = None) -> None:
     """Switches the collective order check on (or off, with ``enabled=False``) for this process.
 
     Call it the same way on every rank. Each group is compared over a gloo mirror of its ranks, made the first
@@ -384,17 +380,8 @@ def check_collective_order(
         timeout: how long a rank waits for the others of a group to reach the same backward's check (a rank
             whose backward has no collective on that group, or that died, never does). By default each group's
             own timeout.
-        group: no longer used (the check exchanges over a mirror of each group its collectives use); ignored,
-            with a warning, for one release.
     """
     global _checker
-    if group is not None:
-        warnings.warn(
-            "torch_ext.check_collective_order(group=...) is ignored and will be removed in the next release: the "
-            "check exchanges over a gloo mirror of each group the backward's collectives use",
-            FutureWarning,
-            stacklevel=2,
-        )
     _checker = _Checker(timeout) if enabled else None
     _C.set_collective_checker(_checker)
 
@@ -403,11 +390,6 @@ def collective_check_count() -> int:
     """How many exchanges the check made in this process since it was switched on (0 when off): one for each
     backward that ran its collectives in sequence."""
     return 0 if _checker is None else _checker.exchanges
-
-
-collective_checks = deprecated(
-    "torch_ext.collective_checks", "torch_ext.collective_check_count", collective_check_count
-)
 
 
 if switch_on(ENVIRONMENT_VARIABLE):
