@@ -34,7 +34,7 @@ class Bug:
 BUGS = (
     Bug(
         "the lane's side stream does not wait for the node's stream",
-        "csrc/engine/run/collective_sequence.cpp",
+        "csrc/engine/run/call_lanes.cpp",
         "  lane_stream.wait(inputs_ready);\n",
         "",
     ),
@@ -52,7 +52,7 @@ BUGS = (
     ),
     Bug(
         "a lane's input is not recorded on the side stream",
-        "csrc/engine/run/collective_sequence.cpp",
+        "csrc/engine/run/call_lanes.cpp",
         "      guard.recordDataPtrOnStream(input.storage().data_ptr(), lane_stream);\n",
         "",
     ),

@@ -40,10 +40,10 @@ struct PlannedCollective {
 class PlannedCollectiveStart {
  public:
   // On the engine thread, which awaited the order check before the node's
-  // hooks ran (a hook may communicate; CollectiveSequence::
-  // await_order_check_before): waits for the turn at `place` (kNoTurn: none)
-  // and reports to `progress`, if any. The collective started once apply()
-  // returned: an asynchronous one is then in flight.
+  // hooks ran (a hook may communicate; OrderVerdicts::await_before): waits
+  // for the turn at `place` (kNoTurn: none) and reports to `progress`, if
+  // any. The collective started once apply() returned: an asynchronous one
+  // is then in flight.
   PlannedCollectiveStart(CollectiveProgress* progress, int32_t place)
       : progress_(progress) {
     take_turn(place);

@@ -2,7 +2,7 @@
 
 // Replays of the schedule from the plan alone, nothing run: stock's delivery
 // order, for bit-stable accumulation, and torch_ext's own run order, for
-// torch_ext.execution_order() and _current_graph_task_execution_order().
+// torch_ext.debug.execution_order() and _current_graph_task_execution_order().
 //
 // An input buffer sums the gradients reaching it in arrival order, and
 // floating-point addition is not associative: with three or more producers,
@@ -41,7 +41,7 @@ bool hands_result_in_flight(const GraphPlan& plan, const Node& fn);
 // alone, nothing run.
 std::vector<Node*> planned_run_order(const GraphPlan& plan);
 // The same order, as the plan's slots: what fixes the order of a call's
-// collectives on every rank (run/collective_sequence.h).
+// collectives on every rank (run/collective_turns.h).
 std::vector<int32_t> planned_run_slots(const GraphPlan& plan);
 
 } // namespace torch_ext

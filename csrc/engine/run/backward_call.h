@@ -7,8 +7,10 @@
 // a call uses run_call.h, the bindings running_node.h. Its features are
 // objects it holds by value, each beside it, with a default that costs an
 // ordinary call a test of a bool or a null pointer: bit-stable delivery
-// (ordered_delivery.h), the collective sequence and lanes
-// (collective_sequence.h), the collective results in flight
+// (ordered_delivery.h), the report to the next microbatch's forward
+// (progress_report.h), the collective order check's verdicts
+// (order_verdicts.h), the collective sequence's turns (collective_turns.h)
+// and the lanes (call_lanes.h), the collective results in flight
 // (deferred_waits.h), what split backward's passes give it
 // (split_pass_context.h) and its trace (trace.h's CallTracing). Those that
 // must clean up when the call fails register in one list (call_feature.h).
@@ -19,9 +21,12 @@
 #include "engine/plan/graph_plan.h"
 #include "engine/plan/scheduler.h"
 #include "engine/run/call_feature.h"
-#include "engine/run/collective_sequence.h"
+#include "engine/run/call_lanes.h"
+#include "engine/run/collective_turns.h"
 #include "engine/run/deferred_waits.h"
+#include "engine/run/order_verdicts.h"
 #include "engine/run/ordered_delivery.h"
+#include "engine/run/progress_report.h"
 #include "engine/run/split_pass_context.h"
 #include "engine/trace.h"
 
@@ -102,18 +107,26 @@ class BackwardCall final : public HostedRun {
       int32_t slot,
       const variable_list& seen,
       const std::optional<c10::Stream>& node_stream);
+  // Once the plan is made, before any node runs: the collective features
+  // decide what is on (see their members), and register for the error path.
+  void plan_collectives();
+  // Before the first node runs, inside the call's error handling: the turns
+  // and the lanes, when the call takes turns, and the collective order
+  // check, when it is on (the ranks compare the sequence before the first
+  // collective starts).
+  void begin_collectives();
   // The run loop of a call whose collectives take turns
-  // (CollectiveSequence::takes_turns; collective_sequence.cpp): as run()'s,
-  // but a node of the collective sequence starts only in its turn, lane nodes
-  // go to their lanes, and what the lanes finish is delivered as it finishes.
+  // (CollectiveTurns::takes_turns; run_loop.cpp): as run()'s, but a node of
+  // the collective sequence starts only in its turn, lane nodes go to their
+  // lanes, and what the lanes finish is delivered as it finishes.
   template <bool kTraced>
   void run_in_sequence();
-  // A lane node on CPU (collective_sequence.cpp): its hooks before apply() run
-  // here, apply() on its group's lane (CollectiveSequence::dispatch_to_lane);
+  // A lane node on CPU (run_loop.cpp): its hooks before apply() run here,
+  // apply() on its group's lane (CallLanes::dispatch_to_lane);
   // finish_lane_node does the rest when the lane returns (validate_outputs,
   // post hooks, release, delivery).
   void dispatch_to_lane(int32_t slot);
-  void finish_lane_node(CollectiveSequence::FinishedLaneNode&& finished);
+  void finish_lane_node(CallLanes::FinishedLaneNode&& finished);
   // Routes a node's outputs along its next edges (NaN check in anomaly mode);
   // an AccumulateGrad's empty outputs mark its stream a leaf stream.
   void deliver_outputs(
@@ -235,14 +248,34 @@ class BackwardCall final : public HostedRun {
   // current (a backward nested inside a node makes its own task current).
   const std::unordered_set<Node*>* host_nodes_in_graph_ = nullptr;
   // The call's features (see the top of this file), declared after the
-  // members the last two hold references to (plan_, has_accelerator_,
+  // members the ones below hold references to (plan_, has_accelerator_,
   // tracing_).
   SplitPassContext split_pass_;
   trace::CallTracing tracing_;
   // What the features that must clean up after a failure registered, run
   // by run()'s error path in that order.
   FailureCleanups failure_cleanups_;
-  CollectiveSequence sequence_{plan_, has_accelerator_};
+  // What the call does with its collective sequence (collective_turns.h),
+  // one feature each; with none of them on (an ordinary call) they hold
+  // nothing: no lane, no table, and the run loop's per-node test is one of a
+  // bool. The lanes come last, so they are joined before the order check and
+  // the report they share are let go.
+  // - the report to the next microbatch's forward (collective_progress.h),
+  //   when the call runs beside it: each collective waits for its turn and
+  //   says when it started;
+  // - the collective order check (torch_ext.check_collective_order): the
+  //   ranks compare the sequence before any of it starts;
+  // - turns (takes_turns), with lane nodes or the order check: each
+  //   collective starts only when every one before it has, and one the
+  //   engine runs itself also waits for the lanes to be idle, so no
+  //   collective it knows of is issued beside a lane's;
+  // - the lanes, in a call that takes turns: lane nodes' apply() runs on
+  //   their process group's lane (engine/run/collective_lane.h), or, on an
+  //   accelerator, on a side stream.
+  ProgressReport progress_report_{plan_};
+  OrderVerdicts order_verdicts_{plan_};
+  CollectiveTurns turns_{plan_};
+  CallLanes lanes_{plan_, has_accelerator_};
   DeferredWaits deferred_waits_{plan_, tracing_};
 };
 

@@ -39,9 +39,10 @@ class FailureCleanups {
   }
 
  private:
-  // As many as there are features with something to clean up: the collective
-  // sequence and the deferred waits.
-  std::array<CallFeature*, 2> features_{};
+  // As many as there are features with something to clean up: the report to
+  // the next microbatch's forward, the lanes, the collective order check and
+  // the deferred waits.
+  std::array<CallFeature*, 4> features_{};
   size_t count_ = 0;
 };
 

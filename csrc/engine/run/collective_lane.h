@@ -13,12 +13,12 @@
 // node's. The collective releases the GIL while it waits, and the dense nodes
 // are C++, so both proceed on CPU. On an accelerator the node's collective
 // does not block the thread but the stream it is issued on: there the lane
-// is a side stream instead (CollectiveSequence::move_to_side_stream), and no
+// is a side stream instead (CallLanes::move_to_side_stream), and no
 // thread is involved.
 //
 // A lane runs its group's nodes one at a time, in the order they were handed
 // to it. Which order that is, across the lanes and the collectives the engine
-// issues itself, is the run loop's business (engine/run/collective_sequence.h):
+// issues itself, is the run loop's business (engine/run/collective_turns.h):
 // the same on every rank.
 //
 // Lanes live as long as their call: they start on the first node handed to

@@ -5,7 +5,7 @@
 // (Engine::evaluate_function and call_function in engine.cpp.) The steps it
 // shares with lane nodes are in node_steps.h; a gradient into an input the
 // plan orders goes through OrderedDelivery (ordered_delivery.h); lane nodes
-// are collective_sequence.cpp's. Per node, each feature the call holds
+// are run_loop.cpp's. Per node, each feature the call holds
 // (backward_call.h) costs a test of a bool, a flag of the node's slot or a
 // null pointer when it is off.
 
@@ -260,8 +260,8 @@ std::optional<variable_list> BackwardCall::run_node_action(
       if (slot.collective || slot.collective_wait) {
         try {
           PlannedCollectiveStart start(
-              sequence_.progress_of(index),
-              sequence_.turn_of(index));
+              progress_report_.progress_of(index),
+              turns_.turn_of(index));
           outputs = call_function(fn, std::move(buffered), keep_graph);
           start.started();
         } catch (...) {
@@ -405,7 +405,7 @@ void BackwardCall::execute_node(int32_t index) {
   c10::OptionalStreamGuard node_stream_guard{node_stream};
   wait_for_ready_inputs(inputs, node_stream);
   if (C10_UNLIKELY(slot.runs_in_lane) && node_stream.has_value() &&
-      sequence_.takes_turns()) {
+      turns_.takes_turns()) {
     // A lane node on an accelerator: its collective is issued on the
     // lane's side stream, so the streams of the nodes run after it do not
     // wait for the communication; its outputs carry that stream, and their
@@ -413,7 +413,7 @@ void BackwardCall::execute_node(int32_t index) {
     // Its group is not needed (one side stream per device), but asking
     // refuses one the engine can see is unsafe, as on CPU.
     host_callbacks().lane_group_key(fn);
-    node_stream = sequence_.move_to_side_stream(*node_stream, inputs.buffer);
+    node_stream = lanes_.move_to_side_stream(*node_stream, inputs.buffer);
     node_stream_guard.reset_stream(*node_stream);
   }
   if (slot.has_pending_wait) {

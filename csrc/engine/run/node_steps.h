@@ -1,7 +1,7 @@
 #pragma once
 
 // The steps of one node that the executor (node_executor.cpp) and the lane
-// nodes (collective_sequence.cpp) share, in stock's order
+// nodes (run_loop.cpp) share, in stock's order
 // (Engine::evaluate_function and call_function in engine.cpp): hooks before
 // apply(), validation and post hooks after it, the current-node guard, the
 // release of saved variables, and the node's traced span. Inline: they are

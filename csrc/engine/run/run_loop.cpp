@@ -3,13 +3,18 @@
 // in the scheduler's order until none is left. Runs inside the host task's
 // BackwardDriver (host/host_task.cpp), which it publishes its plan to. A call
 // whose collectives take turns (lane nodes, the collective order check) runs
-// collective_sequence.cpp's loop instead.
+// run_in_sequence instead, below: the run loop of a call whose collectives
+// take turns, the same on every rank; and the lane nodes, whose hooks run on
+// the engine thread, in the executor's steps (node_steps.h), and whose
+// apply() runs on their process group's lane (engine/run/collective_lane.h),
+// or, on an accelerator, on a side stream (call_lanes.h).
 
 #include "engine/host/host_task.h"
 #include "engine/plan/plan_cache.h"
 #include "engine/plan/schedule_replay.h"
 #include "engine/run/backward_call.h"
 #include "engine/run/current_node.h"
+#include "engine/run/node_steps.h"
 #include "engine/run/run_call.h"
 #include "engine/run/running_node.h"
 
@@ -179,7 +184,7 @@ void BackwardCall::run(Node* host_node) {
   // Filling the host's nodes_in_graph makes _will_engine_execute_node and
   // register_multi_grad_hook(mode="all") see the real graph.
   publish_plan_to_host_task(plan_);
-  sequence_.plan(split_pass_.is_pass(), failure_cleanups_);
+  plan_collectives();
   split_pass_.flush_batch_when_the_pass_ends();
   // Gradients are accumulated (InputBuffer) and nodes run with grad mode
   // equal to create_graph, as under stock's per-task thread-local state.
@@ -189,9 +194,9 @@ void BackwardCall::run(Node* host_node) {
 
   int32_t running = kNoSlot;
   try {
-    sequence_.begin();
+    begin_collectives();
     seed();
-    if (sequence_.takes_turns()) {
+    if (turns_.takes_turns()) {
       if (traced) {
         run_in_sequence</*kTraced=*/true>();
       } else {
@@ -202,8 +207,8 @@ void BackwardCall::run(Node* host_node) {
       // queue's pop (callgrind: +10 instructions per node untraced).
       while (!ready_.empty()) {
         running = ready_.pop();
-        if (sequence_.awaits_order_check()) {
-          sequence_.await_order_check_before(running);
+        if (order_verdicts_.awaits()) {
+          order_verdicts_.await_before(running);
         }
         if (traced) {
           execute_node</*kTraced=*/true>(running);
@@ -212,7 +217,7 @@ void BackwardCall::run(Node* host_node) {
         }
       }
     }
-    sequence_.await_every_verdict();
+    order_verdicts_.await_every_verdict();
     // Collective results no node read (dropped, or delivered to nodes that
     // do not run) still complete before backward returns. A failure here is
     // no node's.
@@ -222,14 +227,181 @@ void BackwardCall::run(Node* host_node) {
     if (running != kNoSlot) {
       failed_node_ = plan_.slots[running].fn;
     }
-    // The collective sequence (its lanes first), then the results in flight.
+    // The report, the lanes and the order check (plan_collectives), then the
+    // results in flight.
     failure_cleanups_.run();
     record_held_gradients();
     throw;
   }
-  sequence_.finish();
+  lanes_.finish();
   record_held_gradients();
   sync_leaf_streams_with_caller();
+}
+
+void BackwardCall::plan_collectives() {
+  // Whether the ranks compare the sequence decides whether its collectives
+  // take turns, and that decides what the report and the lanes do.
+  order_verdicts_.plan();
+  turns_.plan(split_pass_.is_pass(), order_verdicts_.checks_order());
+  // Each registers for the error path in this order: a lane waiting for its
+  // collective's turn gives up rather than issue it (the report abandoned)
+  // before the lanes are joined; a lane still running a node of the call is
+  // joined, its queued nodes dropped; every exchange of the order check
+  // completes all the same.
+  if (progress_report_.reports()) {
+    progress_report_.plan(
+        planned_collectives(plan_).size(),
+        /*in_turns=*/turns_.takes_turns(),
+        failure_cleanups_);
+  }
+  lanes_.plan(turns_.takes_turns(), failure_cleanups_);
+  order_verdicts_.register_cleanup(failure_cleanups_);
+}
+
+void BackwardCall::begin_collectives() {
+  if (!turns_.takes_turns() && !order_verdicts_.checks_order()) {
+    return;
+  }
+  const std::vector<int32_t> in_order = planned_collectives(plan_);
+  if (turns_.takes_turns()) {
+    turns_.begin(in_order);
+    lanes_.begin();
+  }
+  if (order_verdicts_.checks_order()) {
+    order_verdicts_.begin(in_order);
+  }
+}
+
+template <bool kTraced>
+void BackwardCall::run_in_sequence() {
+  auto unpark = [this] {
+    const int32_t slot = turns_.unpark(lanes_);
+    if (slot != kNoSlot) {
+      ready_.push(ready_key(slot));
+    }
+  };
+  while (true) {
+    if (lanes_.busy()) {
+      // Waits only when nothing else is ready to run.
+      for (auto& finished : lanes_.take_finished(/*block=*/ready_.empty())) {
+        finish_lane_node(std::move(finished));
+      }
+      if (!lanes_.busy()) {
+        // A collective the engine issues itself may have waited for this.
+        unpark();
+      }
+    }
+    if (ready_.empty()) {
+      if (lanes_.busy()) {
+        continue;
+      }
+      break;
+    }
+    const int32_t slot = ready_.pop();
+    if (!turns_.is_turn_of(slot, lanes_)) {
+      turns_.park(slot);
+      continue;
+    }
+    if (order_verdicts_.awaits()) {
+      order_verdicts_.await_before_turn(
+          slot,
+          turns_.place_of(slot),
+          lanes_.runs_in_lane(slot));
+    }
+    try {
+      if (lanes_.runs_in_lane(slot)) {
+        dispatch_to_lane(slot);
+      } else {
+        execute_node<kTraced>(slot);
+      }
+    } catch (...) {
+      if (failed_node_ == nullptr) {
+        failed_node_ = plan_.slots[slot].fn;
+      }
+      throw;
+    }
+    if (turns_.started(slot)) {
+      unpark();
+    }
+  }
+  turns_.check_none_left_parked();
+}
+
+void BackwardCall::dispatch_to_lane(int32_t index) {
+  NodeSlot& slot = plan_.slots[index];
+  Node& fn = *slot.fn;
+  // Asked first: a group the engine can see is unsafe raises here, before
+  // any hook of the node has run.
+  const uintptr_t group = host_callbacks().lane_group_key(fn);
+  InputBuffer inputs = take_buffer(slot);
+  CallLanes::LaneNode lane_node;
+  if (trace::CallTrace* trace = tracing_.recorder(); trace != nullptr) {
+    lane_node.trace_event = begin_node_event(*trace, plan_, index);
+  }
+  // The hooks run here, on the engine thread, in execute_node's state; only
+  // apply() moves to the lane.
+  enter_task_state();
+  if (slot.has_pending_wait) {
+    deferred_waits_.wait_for(index);
+  }
+  variable_list grads = std::move(inputs.buffer);
+  {
+    CurrentNodeGuard current_node(current_node_slot_, fn);
+    const RunningNode running{this, &fn};
+    RunningNodeScope running_scope(running);
+    call_hooks_before_apply(fn, grads);
+  }
+  if (!options_.keep_graph) {
+    fn.will_release_variables();
+  }
+  lane_node.had_post_hooks = !fn.post_hooks().empty();
+  if (lane_node.had_post_hooks) {
+    lane_node.inputs = grads;
+  }
+  // What the lane needs of its planned collective: the report, the order
+  // check's verdict it awaits there, and its turn.
+  lanes_.dispatch_to_lane(
+      group,
+      index,
+      std::move(grads),
+      std::move(lane_node),
+      PlannedCollective{
+          progress_report_.shared_progress_of(index),
+          order_verdicts_.shared(),
+          turns_.place_of(index)});
+}
+
+void BackwardCall::finish_lane_node(CallLanes::FinishedLaneNode&& finished) {
+  const int32_t index = finished.slot;
+  Node& fn = *plan_.slots[index].fn;
+  CallLanes::LaneNode& lane_node = finished.lane_node;
+  trace::EndOnExit end_trace_event(
+      lane_node.trace_event == trace::kNoEvent ? nullptr : tracing_.recorder(),
+      lane_node.trace_event);
+  if (finished.error) {
+    failed_node_ = &fn;
+    std::rethrow_exception(
+        host_callbacks().name_collective_node_in_error(
+            std::move(finished.error),
+            fn,
+            /*in_lane=*/true));
+  }
+  enter_task_state();
+  variable_list delivered;
+  try {
+    CurrentNodeGuard current_node(current_node_slot_, fn);
+    delivered = validate_and_post_hooks(
+        fn,
+        std::move(finished.outputs),
+        lane_node.inputs,
+        lane_node.had_post_hooks);
+    lane_node.inputs.clear();
+    release_unless_kept(fn, options_.keep_graph);
+    deliver_outputs(index, delivered, std::nullopt);
+  } catch (...) {
+    failed_node_ = &fn;
+    throw;
+  }
 }
 
 std::vector<Node*> BackwardCall::planned_order() const {
