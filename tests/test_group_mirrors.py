@@ -1,4 +1,5 @@
-"""The order check's group registry (torch_ext/collectives/group_mirrors.py), in one process.
+"""The order check's group registry (torch_ext/collectives/group_mirrors.py), and the registry of derived groups it
+shares with the twins (torch_ext/collectives/derived_groups.py), in one process.
 
 The multi-rank behaviour (mirrors made hang-free, a swap raising within its group only) is in
 tests/distributed/test_collective_order.py, test_four_ranks.py and test_eight_ranks.py.
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 import torch_ext
 from torch_ext.collectives import order_check
+from torch_ext.collectives.derived_groups import DerivedGroups
 from torch_ext.collectives.group_mirrors import Group, GroupMirrors, group_id
 
 
@@ -73,6 +75,52 @@ def test_a_mirror_connects_lazily_so_making_it_waits_for_no_rank(one_rank_world)
     group = mirrors.of(made_up, datetime.timedelta(seconds=30))
     assert group.ranks == (0, 1) and group.mirror.size() == 2
     assert time.monotonic() - start < 5
+
+
+def test_a_made_up_group_shares_the_group_of_its_ranks(one_rank_world):
+    class MadeUp:  # benchmarks/order_check_scale.py's synthetic groups: weakly referenceable, unknown to torch
+        pass
+
+    mirrors = GroupMirrors()
+    first, second = MadeUp(), MadeUp()
+    made_up = mirrors.add_made_up(first, (0, 1), mirror="a mirror")
+    assert made_up.ranks == (0, 1) and made_up.id == group_id((0, 1)) and made_up.mirror == "a mirror"
+    assert mirrors.add_made_up(second, (0, 1), mirror="another") is made_up
+    assert mirrors.of(first, None) is made_up and mirrors.of(second, None) is made_up
+
+
+def test_a_new_world_makes_new_mirrors(one_rank_world):
+    mirrors = GroupMirrors()
+    mirrors.forget_another_world()
+    first = mirrors.of(dist.group.WORLD, None)
+    mirrors.forget_another_world()  # the same world: kept
+    assert mirrors.of(dist.group.WORLD, None) is first
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mirrors.forget_another_world()
+    second = mirrors.of(dist.group.WORLD, None)
+    assert second is not first and second.id == first.id
+    mirrors.forget()
+
+
+def test_derived_groups_make_one_per_rank_list_and_unmake_them_with_another_world(one_rank_world):
+    made, unmade = [], []
+
+    def make(group, ranks, tag):
+        made.append((ranks, tag))
+        return f"derived {len(made)}"
+
+    registry = DerivedGroups(make, unmake=unmade.append)
+    registry.forget_another_world()
+    assert registry.derived(dist.group.WORLD, "a") == "derived 1" == registry.derived(dist.new_group([0]), "b")
+    assert made == [((0,), "a")] and unmade == []
+    # No group of this rank's: nothing made, not even for an object that is not weakly referenceable.
+    assert registry.derived(object(), "c") is None and registry.derived(7, "c") is None
+    assert len(made) == 1
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    registry.forget_another_world()
+    assert unmade == ["derived 1"] and registry.derived(dist.group.WORLD, "d") == "derived 2"
 
 
 def test_the_group_argument_is_gone():

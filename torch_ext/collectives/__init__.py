@@ -14,6 +14,8 @@
 - **Twin groups** (``torch_ext.collectives.twin_groups``): a gloo group of the same ranks as a group, on which a
   backward running beside the next microbatch's forward issues that group's collectives under
   ``overlap_microbatches(forward_collectives="beside_backward_collectives")``; made on first use, hang-free.
+  Twins and the order check's gloo mirrors of groups (``group_mirrors``) share one registry of groups derived
+  from a group (``torch_ext.collectives.derived_groups``).
 - **The ops** are not here: torch_ext's collectives with autograd (:func:`torch_ext.ops.all_to_all_single`,
   :func:`torch_ext.ops.all_reduce` and the rest, ``torch.ops.torch_ext.*``) live in ``torch_ext.ops``, one
   public function per op beside its fake kernel and autograd formula, as every op of torch_ext does.

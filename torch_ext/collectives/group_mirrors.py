@@ -25,12 +25,13 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from torch_ext.collectives.derived_groups import DerivedGroups
 
 # The store prefix of every mirror: the default store's keys of torch.distributed's own groups are numbers or
 # rank hashes, never this.
@@ -80,73 +81,37 @@ def store_key(ranks: tuple[int, ...]) -> str:
     return f"{group_id(ranks) & (2**64 - 1):016x}"
 
 
-def member_ranks(group: Any) -> tuple[int, ...] | None:
-    """``group``'s global ranks, in group-rank order; None for an object torch.distributed does not know as a group
-    of this rank (a backend made by hand, a group this rank is not in)."""
-    # A rank outside a group made with new_group is registered under the NON_GROUP_MEMBER sentinel.
-    rank_of = dist.distributed_c10d._world.pg_group_ranks.get(group) if isinstance(group, dist.ProcessGroup) else None
-    if rank_of is None or dist.get_rank() not in rank_of:
-        return None
-    return tuple(sorted(rank_of, key=rank_of.__getitem__))
-
-
-class GroupMirrors:
-    """Every group this rank's checked collectives used: its :class:`Group`, by the process group object."""
+class GroupMirrors(DerivedGroups[Group]):
+    """Every group this rank's checked collectives used: its :class:`Group`, by the process group object (a
+    :class:`DerivedGroups` registry, as the twins' is; :meth:`forget` drops every mirror)."""
 
     def __init__(self) -> None:
-        self._by_object: weakref.WeakKeyDictionary[Any, Group] = weakref.WeakKeyDictionary()
-        self._by_ranks: dict[tuple[int, ...], Group] = {}
-        # The default group the mirrors were made under: a new init_process_group starts afresh.
-        self._default_group: weakref.ref | None = None
+        super().__init__(_make_mirror)
 
     def of(self, group: Any, timeout: datetime.timedelta | None) -> Group | None:
         """``group``'s :class:`Group`, its mirror made now if this is its first use (``timeout``: the mirror's,
         by default the group's own); None for an object torch.distributed does not know as a group of this
         rank (a backend made by hand). Call :meth:`forget_another_world` first, once per backward."""
-        try:
-            known = self._by_object.get(group)
-        except TypeError:  # not weakly referenceable: no process group
-            return None
-        if known is not None:
-            return known
-        ranks = member_ranks(group)
-        if ranks is None:
-            return None
-        known = self._by_ranks.get(ranks)
-        if known is None:
-            identity = group_id(ranks)
-            prefix = f"{_STORE_PREFIX}/{store_key(ranks)}/"
-            mirror = _lazily_connected_gloo(
-                dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store()),
-                ranks.index(dist.get_rank()),
-                len(ranks),
-                timeout or _timeout_of(group),
-            )
-            known = self._by_ranks[ranks] = Group(identity, ranks, mirror)
-        self._by_object[group] = known
-        return known
+        return self.derived(group, timeout)
 
     def add_made_up(self, group: Any, ranks: tuple[int, ...], mirror: Any) -> Group:
         """Registers ``group``, an object standing for a process group of ``ranks`` that this process is not
         really part of, with ``mirror`` to exchange over (benchmarks/order_check_scale.py's synthetic worlds)."""
         self.forget_another_world()
-        known = self._by_ranks.get(ranks) or Group(group_id(ranks), ranks, mirror)
-        self._by_ranks[ranks] = self._by_object[group] = known
-        return known
+        return self.add(group, ranks, Group(group_id(ranks), ranks, mirror))
 
-    def forget(self) -> None:
-        """Drops every mirror: the last reference to a ProcessGroupGloo joins its worker threads, which must not
-        outlive the interpreter (tests/distributed/test_clean_exit.py)."""
-        self._by_object = weakref.WeakKeyDictionary()
-        self._by_ranks = {}
-        self._default_group = None
 
-    def forget_another_world(self) -> None:
-        """Starts afresh under a new default group (destroy_process_group, then init_process_group again)."""
-        default_group = dist.distributed_c10d._get_default_group()
-        if self._default_group is None or self._default_group() is not default_group:
-            self.forget()
-            self._default_group = weakref.ref(default_group)
+def _make_mirror(group: Any, ranks: tuple[int, ...], timeout: datetime.timedelta | None) -> Group:
+    """The :class:`Group` of ``group``, of ``ranks``, with its mirror (``timeout``: the mirror's, by default the
+    group's own)."""
+    prefix = f"{_STORE_PREFIX}/{store_key(ranks)}/"
+    mirror = _lazily_connected_gloo(
+        dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store()),
+        ranks.index(dist.get_rank()),
+        len(ranks),
+        timeout or _timeout_of(group),
+    )
+    return Group(group_id(ranks), ranks, mirror)
 
 
 def _lazily_connected_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:

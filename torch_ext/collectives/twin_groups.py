@@ -24,53 +24,33 @@ an error that names the rule to use there.
 from __future__ import annotations
 
 import atexit
-import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torch_ext.collectives.group_mirrors import _lazily_connected_gloo, _timeout_of, member_ranks, store_key
+from torch_ext.collectives.derived_groups import DerivedGroups
+from torch_ext.collectives.group_mirrors import _lazily_connected_gloo, _timeout_of, store_key
 
 # The store prefix of every twin, and the start of its registered name: torch.distributed's own groups are
 # named by numbers or rank hashes, never this.
 _PREFIX = "torch_ext_twin"
 
 
-class TwinGroups:
-    """Every twin this rank made, by the process group object it is the twin of; one per rank list."""
+class TwinGroups(DerivedGroups[Any]):
+    """Every twin this rank made, by the process group object it is the twin of; one per rank list (a
+    :class:`DerivedGroups` registry, as the order check's mirrors are). :meth:`forget` drops every twin, and its
+    registered name."""
 
     def __init__(self) -> None:
-        self._by_object: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-        self._by_ranks: dict[tuple[int, ...], Any] = {}
-        # The default group the twins were made under: a new init_process_group starts afresh.
-        self._default_group: weakref.ref | None = None
+        super().__init__(_make_twin, admit=_refuse_unless_gloo, unmake=_unregister)
 
     def of(self, group: Any) -> Any:
         """``group``'s twin, made now if this is its first use."""
-        self._forget_another_world()
-        try:
-            known = self._by_object.get(group)
-        except TypeError:  # not weakly referenceable: no process group
-            known = None
-        if known is not None:
-            return known
-        ranks = member_ranks(group)
-        if ranks is None:
-            raise RuntimeError(f"torch_ext: {group!r} is not a process group of this rank: it can have no twin")
-        backend = dist.get_backend(group)
-        if backend != dist.Backend.GLOO:
-            raise RuntimeError(
-                f"torch_ext: forward_collectives='beside_backward_collectives' issues the backward's collectives on a "
-                f"gloo twin of their group, and this group's backend is {backend}: on NCCL two communicators of the "
-                "same ranks, used from two streams, can deadlock. Keep one order of collectives there: "
-                "forward_collectives='after_backward_collectives' (the default) or "
-                "'in_turns_with_backward_collectives'"
-            )
-        twin = self._by_ranks.get(ranks)
+        self.forget_another_world()
+        twin = self.derived(group)
         if twin is None:
-            twin = self._by_ranks[ranks] = _make_twin(ranks, _timeout_of(group))
-        self._by_object[group] = twin
+            raise RuntimeError(f"torch_ext: {group!r} is not a process group of this rank: it can have no twin")
         return twin
 
     def name_of(self, group_name: str) -> str:
@@ -80,24 +60,23 @@ class TwinGroups:
             return group_name
         return self.of(dist.distributed_c10d._resolve_process_group(group_name)).group_name
 
-    def forget(self) -> None:
-        """Drops every twin, and its registered name: the last reference to a ProcessGroupGloo joins its worker
-        threads, which must not outlive the interpreter."""
-        for twin in self._by_ranks.values():
-            dist.distributed_c10d._unregister_process_group(twin.group_name)
-        self._by_object = weakref.WeakKeyDictionary()
-        self._by_ranks = {}
-        self._default_group = None
 
-    def _forget_another_world(self) -> None:
-        default_group = dist.distributed_c10d._get_default_group()
-        if self._default_group is None or self._default_group() is not default_group:
-            self.forget()
-            self._default_group = weakref.ref(default_group)
+def _refuse_unless_gloo(group: Any) -> None:
+    """Raises for a group whose backend is not gloo: it has no twin (the module's docstring, "gloo only")."""
+    backend = dist.get_backend(group)
+    if backend != dist.Backend.GLOO:
+        raise RuntimeError(
+            f"torch_ext: forward_collectives='beside_backward_collectives' issues the backward's collectives on a "
+            f"gloo twin of their group, and this group's backend is {backend}: on NCCL two communicators of the "
+            "same ranks, used from two streams, can deadlock. Keep one order of collectives there: "
+            "forward_collectives='after_backward_collectives' (the default) or "
+            "'in_turns_with_backward_collectives'"
+        )
 
 
-def _make_twin(ranks: tuple[int, ...], timeout: Any) -> Any:
+def _make_twin(group: Any, ranks: tuple[int, ...]) -> Any:
     identity = store_key(ranks)
+    timeout = _timeout_of(group)
     store = dist.PrefixStore(f"{_PREFIX}/{identity}/", dist.distributed_c10d._get_default_store())
     rank, size = ranks.index(dist.get_rank()), len(ranks)
     twin = dist.ProcessGroup(store, rank, size)
@@ -108,6 +87,12 @@ def _make_twin(ranks: tuple[int, ...], timeout: Any) -> Any:
     twin._set_group_name(f"{_PREFIX}_{identity}")
     dist.distributed_c10d._register_process_group(twin.group_name, twin)
     return twin
+
+
+def _unregister(twin: Any) -> None:
+    """Unregisters a forgotten twin's name: the last reference to its ProcessGroupGloo joins its worker threads,
+    which must not outlive the interpreter."""
+    dist.distributed_c10d._unregister_process_group(twin.group_name)
 
 
 TWINS = TwinGroups()
