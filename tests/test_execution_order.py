@@ -97,22 +97,31 @@ def test_current_node_switch(mode):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["on", "off"])
-def test_is_current_node_supported_asked_first_leaves_the_caller_alone(mode):
+@pytest.mark.parametrize(
+    "caller_context",
+    ["torch.inference_mode()", "torch._subclasses.fake_tensor.FakeTensorMode()"],
+    ids=["inference", "fake"],
+)
+def test_is_current_node_supported_asked_first_leaves_the_caller_alone(mode, caller_context):
     # Asked before any backward, the engine's answer is settled by one probe backward, on a thread of its own:
-    # under the caller's inference mode a backward on the caller's thread would raise. Asked again, it only
-    # reads the answer: no backward runs (the trace records none).
+    # under the caller's inference mode a backward on the caller's thread would raise, and under a fake (tracing)
+    # mode it would go to stock's engine and settle nothing. The answer is the one a plain process gets. Asked
+    # again, it only reads the answer: no backward runs (the trace records none).
     code = (
         "import torch, torch_ext\n"
-        "with torch.inference_mode():\n"
+        f"with {caller_context}:\n"
         "    supported = torch_ext.debug.is_current_node_supported()\n"
         "with torch_ext.trace() as t:\n"
         "    assert torch_ext.debug.is_current_node_supported() is supported\n"
         "print(supported, len(t.events))\n"
     )
+    plain = "import torch_ext\nprint(torch_ext.debug.is_current_node_supported())\n"
     env = dict(os.environ, TORCH_EXT_CURRENT_NODE=mode)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     supported, events = out.split()
     assert events == "0"
+    expected = subprocess.run([sys.executable, "-c", plain], env=env, capture_output=True, text=True, check=True)
+    assert supported == expected.stdout.strip()
     if mode == "off":
         assert supported == "False"
 
