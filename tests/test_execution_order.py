@@ -103,25 +103,31 @@ def test_current_node_switch(mode):
     ids=["inference", "fake"],
 )
 def test_is_current_node_supported_asked_first_leaves_the_caller_alone(mode, caller_context):
-    # Asked before any backward, the engine's answer is settled by one probe backward, on a thread of its own:
-    # under the caller's inference mode a backward on the caller's thread would raise, and under a fake (tracing)
-    # mode it would go to stock's engine and settle nothing. The answer is the one a plain process gets. Asked
-    # again, it only reads the answer: no backward runs (the trace records none).
+    # Asked before any backward, under the caller's inference mode (where a backward would raise) or a fake
+    # (tracing) mode (where it would go to stock's engine), the answer is the one a plain process gets, and asking
+    # runs nothing: no backward (a trace records none), and no node made, so the next node forward makes has the
+    # sequence number it has in a process that never asked.
     code = (
         "import torch, torch_ext\n"
-        f"with {caller_context}:\n"
-        "    supported = torch_ext.debug.is_current_node_supported()\n"
         "with torch_ext.trace() as t:\n"
+        f"    with {caller_context}:\n"
+        "        supported = torch_ext.debug.is_current_node_supported()\n"
         "    assert torch_ext.debug.is_current_node_supported() is supported\n"
-        "print(supported, len(t.events))\n"
+        "x = torch.zeros((), requires_grad=True)\n"
+        "print(supported, len(t.events), (x * 1.0).grad_fn._sequence_nr())\n"
     )
-    plain = "import torch_ext\nprint(torch_ext.debug.is_current_node_supported())\n"
+    plain = (
+        "import torch, torch_ext\n"
+        "x = torch.zeros((), requires_grad=True)\n"
+        "sequence_nr = (x * 1.0).grad_fn._sequence_nr()\n"
+        "print(torch_ext.debug.is_current_node_supported(), sequence_nr)\n"
+    )
     env = dict(os.environ, TORCH_EXT_CURRENT_NODE=mode)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    supported, events = out.split()
+    supported, events, sequence_nr = out.split()
     assert events == "0"
     expected = subprocess.run([sys.executable, "-c", plain], env=env, capture_output=True, text=True, check=True)
-    assert supported == expected.stdout.strip()
+    assert [supported, sequence_nr] == expected.stdout.split()
     if mode == "off":
         assert supported == "False"
 

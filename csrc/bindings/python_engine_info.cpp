@@ -88,9 +88,9 @@ PyMethodDef engine_info_methods[] = {
     {"_current_node_state",
      py_current_node_state,
      METH_NOARGS,
-     "_current_node_state() -> 'available', 'unavailable' or 'unknown' (before "
-     "the process's first torch_ext backward): whether nodes are made the "
-     "current autograd node while they run (current_node.cpp)."},
+     "_current_node_state() -> 'available' or 'unavailable': whether nodes "
+     "are made the current autograd node while they run (current_node.cpp; "
+     "settled by the process's first question, without a backward)."},
     {"_set_current_node_forced_off",
      py_set_current_node_forced_off,
      METH_O,

@@ -9,8 +9,12 @@
 // reads the slot through a c10::ThreadLocal accessor with one indirect call
 // (`call *disp32(%rip)`); this file locates that accessor from the call,
 // checks that both functions have the shapes it expects before calling
-// anything, and uses the slot only after checking that it reports the node
-// the host task set. Anything unexpected, another architecture, or
+// anything, and uses the slot only after checking, once per process, that
+// get_current_node() reports a node placed in it (and only it). The check
+// needs no backward: it holds a probe node in the calling thread's slot for
+// an instant and puts back what was there, so asking whether the feature is
+// on (torch_ext.debug.is_current_node_supported) runs nothing and changes
+// nothing. Anything unexpected, another architecture, or
 // TORCH_EXT_CURRENT_NODE=off (set_current_node_forced_off) turns the feature
 // off: the driver stays the current node (the portable path). Nothing else in
 // the engine needs the slot: priorities, deferred collective waits and split
@@ -21,8 +25,11 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <string_view>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <dlfcn.h>
@@ -34,11 +41,14 @@ namespace {
 using CurrentNodeSlot = c10::intrusive_ptr<Node>;
 using SlotAccessor = CurrentNodeSlot* (*)();
 
+// Settled once, by the first question (settle below); the mutex keeps two
+// first questions from probing at once.
 std::atomic<CurrentNodeState> state{CurrentNodeState::kUnknown};
 std::atomic<SlotAccessor> accessor{nullptr};
+std::mutex settle_mutex;
 
 // TORCH_EXT_CURRENT_NODE=off, parsed once, by torch_ext/_loader.py, which
-// sets this before any backward (set_current_node_forced_off).
+// sets this before the first question (set_current_node_forced_off).
 std::atomic<bool> forced_off{false};
 
 #if defined(__x86_64__)
@@ -113,23 +123,52 @@ SlotAccessor find_accessor() {
 
 #endif
 
+// A node no graph holds, placed in the slot for the check only. Made with
+// an explicit sequence number, so that making it does not advance the
+// thread's (the next node forward makes keeps the number it would have had).
+struct SlotProbe final : Node {
+  SlotProbe() : Node(/*sequence_nr=*/UINT64_MAX, /*next_edges=*/{}) {}
+  torch::autograd::variable_list apply(
+      torch::autograd::variable_list&& /*inputs*/) override {
+    return {};
+  }
+};
+
+// Whether the slot `found` returns is the one get_current_node() reads: it
+// must hold what get_current_node() reports now, and report a probe held in
+// it instead. What the slot held is put back before returning.
+bool is_the_current_node_slot(SlotAccessor found) {
+  CurrentNodeSlot* slot = found();
+  if (slot == nullptr ||
+      slot->get() != torch::autograd::get_current_node().get()) {
+    return false;
+  }
+  CurrentNodeSlot held = std::exchange(*slot, c10::make_intrusive<SlotProbe>());
+  Node* const probe = slot->get();
+  const bool reads_it = torch::autograd::get_current_node().get() == probe;
+  *slot = std::move(held);
+  return reads_it;
+}
+
+CurrentNodeState settle() {
+  std::lock_guard<std::mutex> lock(settle_mutex);
+  CurrentNodeState known = state.load(std::memory_order_acquire);
+  if (known != CurrentNodeState::kUnknown) {
+    return known;
+  }
+  SlotAccessor found =
+      forced_off.load(std::memory_order_relaxed) ? nullptr : find_accessor();
+  const bool valid = found != nullptr && is_the_current_node_slot(found);
+  accessor.store(valid ? found : nullptr, std::memory_order_release);
+  known = valid ? CurrentNodeState::kAvailable : CurrentNodeState::kUnavailable;
+  state.store(known, std::memory_order_release);
+  return known;
+}
+
 } // namespace
 
-CurrentNodeSlot* current_node_slot(Node* expected_current) {
-  CurrentNodeState known = state.load(std::memory_order_acquire);
-  if (known == CurrentNodeState::kUnknown) {
-    // Validated on the first call, inside the host task: the slot must hold
-    // the driver, which stock's NodeGuard made current.
-    SlotAccessor found =
-        forced_off.load(std::memory_order_relaxed) ? nullptr : find_accessor();
-    const bool valid = found != nullptr && found()->get() == expected_current &&
-        torch::autograd::get_current_node().get() == expected_current;
-    accessor.store(valid ? found : nullptr, std::memory_order_release);
-    known =
-        valid ? CurrentNodeState::kAvailable : CurrentNodeState::kUnavailable;
-    state.store(known, std::memory_order_release);
-  }
-  if (known != CurrentNodeState::kAvailable) {
+CurrentNodeSlot* current_node_slot() {
+  if (current_node_state() != CurrentNodeState::kAvailable) {
     return nullptr;
   }
   return accessor.load(std::memory_order_acquire)();
@@ -140,7 +179,8 @@ void set_current_node_forced_off(bool off) {
 }
 
 CurrentNodeState current_node_state() {
-  return state.load(std::memory_order_acquire);
+  const CurrentNodeState known = state.load(std::memory_order_acquire);
+  return known != CurrentNodeState::kUnknown ? known : settle();
 }
 
 } // namespace torch_ext

@@ -159,7 +159,7 @@ void BackwardCall::seed_roots() {
   }
 }
 
-void BackwardCall::run(Node* host_node) {
+void BackwardCall::run(Node* /*host_node*/) {
   // The call's span ends, and its events go to the recorder, however run()
   // exits.
   const trace::CallTracing::Span span =
@@ -168,7 +168,7 @@ void BackwardCall::run(Node* host_node) {
   if (traced) {
     plan_.record_priority_sources = true;
   }
-  current_node_slot_ = current_node_slot(host_node);
+  current_node_slot_ = current_node_slot();
   host_nodes_in_graph_ =
       torch::autograd::get_current_graph_task_nodes_in_graph();
   // A split pass's plan is given (run_as_split_pass).
