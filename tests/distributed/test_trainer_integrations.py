@@ -14,8 +14,10 @@ collectives and with them beside the backward's on twin groups (gloo).
   loops, in every backward but each step's last. The model's CPU stand-ins are test_microbatch_overlap_libraries'
   (``_megatron_on_cpu``), plus :class:`_CudaTensorsOnCpu` for the schedule's one tensor made on "cuda".
 - Megatron's pipelined schedule, which the switch refuses (a backward's input gradient goes to the previous stage at
-  once): ``forward_backward_pipelining_without_interleaving`` over two stages, one a rank, under
-  ``torch_ext.enable()`` against stock's engine (no switch).
+  once): ``forward_backward_pipelining_without_interleaving`` under ``torch_ext.enable()`` against stock's engine
+  (no switch). Over two stages, one a rank; and over two stages of two ranks each (pipeline 2 x expert parallel 2,
+  4 ranks), each stage dispatching its tokens and combining them back through Megatron's ``_AllToAll`` on its
+  expert-parallel group, declared to a lane: its backward must run on another thread than the stage's dense path.
 - DeepSpeed 0.19.8: ``deepspeed.initialize``'s engine (ZeRO stage 0, gradient_accumulation_steps 4, its
   ``deepspeed.moe`` layer with top-2 gating, which all-reduces the capacity in forward) in DeepSpeed's loop,
   ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()`` for every microbatch.
@@ -28,7 +30,7 @@ import os
 
 import pytest
 import torch
-from _harness import assert_identical, ran_on_torch_ext, run_ranks
+from _harness import assert_identical, node_threads, ran_on_torch_ext, run_ranks
 from test_microbatch_overlap_libraries import (
     BATCH,
     DIM,
@@ -54,6 +56,8 @@ TWINS = "beside_backward_collectives"
 # Each run of a library's loop: None is the library's own, the others the switch with that forward_collectives.
 RUNS = {"own_loop": None, "switch": "after_backward_collectives", "switch_twins": TWINS}
 BACKWARD_THREAD = "torch_ext-microbatch-backward"
+# The profiler's name for the backward node of Megatron's _AllToAll.
+ALL_TO_ALL_BACKWARD = "_AllToAllBackward"
 
 
 def _check(results: list[dict], also: tuple[str, ...] = ()) -> None:
@@ -215,10 +219,34 @@ class PipelineStage(torch.nn.Module):
         return self.layers(tokens if self.received is None else self.received)
 
 
-def _train_megatron_pipelined(rank: int, on_torch_ext: bool) -> dict:
-    """STEPS AdamW steps through Megatron's 1F1B schedule over two stages, one a rank, on stock's engine or under
+class ExpertParallelStage(PipelineStage):
+    """A :class:`PipelineStage` whose output goes on through an expert-parallel layer: each rank's tokens (its
+    SEQUENCE rows, half to each rank of the stage's expert-parallel group) dispatched by Megatron's
+    ``all_to_all``, the rank's expert, combined back by another; plus a dense path beside it."""
+
+    def __init__(self, config) -> None:
+        from megatron.core import parallel_state
+
+        super().__init__(config)
+        self.group = parallel_state.get_expert_model_parallel_group()
+        self.expert = torch.nn.Sequential(torch.nn.Linear(DIM, 2 * DIM), torch.nn.Tanh(), torch.nn.Linear(2 * DIM, DIM))
+        self.dense = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Tanh())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel.mappings import all_to_all
+
+        hidden = super().forward(tokens)
+        dispatched = all_to_all(self.group, hidden)
+        combined = all_to_all(self.group, self.expert(dispatched))
+        return combined + self.dense(hidden)
+
+
+def _train_megatron_pipelined(rank: int, on_torch_ext: bool, stage_class: type[PipelineStage]) -> dict:
+    """STEPS AdamW steps through Megatron's 1F1B schedule over two stages, on stock's engine or under
     ``torch_ext.enable()``. ``deallocate_pipeline_outputs``: Megatron runs each stage's backward through
-    ``Variable._execution_engine.run_backward`` itself."""
+    ``Variable._execution_engine.run_backward`` itself. Also returns the threads each step's backward ran
+    Megatron's ``_AllToAll`` and the dense path's matmuls on (:func:`node_threads`), over all steps."""
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -233,10 +261,17 @@ def _train_megatron_pipelined(rank: int, on_torch_ext: bool) -> dict:
         use_cpu_initialization=True,
     )
     torch.manual_seed(rank)
-    stage = PipelineStage(config)
+    stage = stage_class(config)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=0.01)
     forward_backward = get_forward_backward_func()
-    result: dict = {"losses": [], "grads": [], "schedule": forward_backward.__name__, "driver_ran": False}
+    result: dict = {
+        "losses": [],
+        "grads": [],
+        "schedule": forward_backward.__name__,
+        "last_stage": parallel_state.is_pipeline_last_stage(),
+        "driver_ran": False,
+        "threads": {"all_to_all": set(), "dense": set()},
+    }
 
     def loss_func(output: torch.Tensor):
         loss = output.square().mean()
@@ -261,7 +296,10 @@ def _train_megatron_pipelined(rank: int, on_torch_ext: bool) -> dict:
                 seq_length=SEQUENCE,
                 micro_batch_size=BATCH,
             )
-        result["driver_ran"] |= ran_on_torch_ext(profile.events())
+        events = profile.events()
+        result["driver_ran"] |= ran_on_torch_ext(events)
+        for path, threads in node_threads(events, lambda name: name == ALL_TO_ALL_BACKWARD).items():
+            result["threads"][path] |= threads
         result["losses"].append([entry["loss"] for entry in reduced])  # the last stage's; none on the first
         result["grads"].append({name: p.grad.clone() for name, p in stage.named_parameters()})
         optimizer.step()
@@ -270,27 +308,72 @@ def _train_megatron_pipelined(rank: int, on_torch_ext: bool) -> dict:
     return result
 
 
-def _run_megatron_pipelined(rank: int) -> dict:
+def _run_megatron_pipelined(rank: int, stage_class: type[PipelineStage] = PipelineStage) -> dict:
     _megatron_on_cpu()
     from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import _AllToAll
 
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, create_gloo_process_groups=False)
-    results = {"stock": _train_megatron_pipelined(rank, False), "torch_ext": _train_megatron_pipelined(rank, True)}
+    expert_parallel = 1 if stage_class is PipelineStage else 2
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=2, expert_model_parallel_size=expert_parallel, create_gloo_process_groups=False
+    )
+    torch_ext.run_in_lane(_AllToAll)
+    results = {
+        "stock": _train_megatron_pipelined(rank, False, stage_class),
+        "torch_ext": _train_megatron_pipelined(rank, True, stage_class),
+        "stage": parallel_state.get_pipeline_model_parallel_rank(),
+        "expert_group": torch.distributed.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()),
+    }
     parallel_state.destroy_model_parallel()
     return results
 
 
-@NEEDS_MEGATRON
-def test_megatron_pipelined_schedule_on_torch_ext_bits_equal_stocks(tmp_path):
-    """The switch refuses the pipelined schedules; torch_ext's engine still runs inside them (its lanes, in each
-    stage): forward_backward_pipelining_without_interleaving over 2 gloo ranks, stock's bits."""
-    results = run_ranks(_run_megatron_pipelined, tmp_path)
+def _run_megatron_pipelined_expert_parallel(rank: int) -> dict:
+    return _run_megatron_pipelined(rank, ExpertParallelStage)
+
+
+def _check_pipelined(results: list[dict]) -> None:
+    """On every rank: the 1F1B schedule ran, on stock's engine and then on torch_ext's, with the same bits; the
+    last stage's ranks, and only they, have each microbatch's loss."""
     for rank, result in enumerate(results):
         stock, ours = result["stock"], result["torch_ext"]
         assert stock.pop("schedule") == ours.pop("schedule") == "forward_backward_pipelining_without_interleaving"
         assert (stock.pop("driver_ran"), ours.pop("driver_ran")) == (False, True), rank
-        assert [len(losses) for losses in stock["losses"]] == [MICROBATCHES * rank] * STEPS  # the last stage's
+        last_stage = stock["last_stage"]
+        assert [len(losses) for losses in stock["losses"]] == [MICROBATCHES * last_stage] * STEPS, rank
         assert_identical(ours, stock, f"rank {rank}")
+
+
+@NEEDS_MEGATRON
+def test_megatron_pipelined_schedule_on_torch_ext_bits_equal_stocks(tmp_path):
+    """The switch refuses the pipelined schedules; torch_ext's engine still runs each stage's backward inside them:
+    forward_backward_pipelining_without_interleaving over 2 gloo ranks, one a stage, stock's bits. Its stages hold
+    no collective (two ranks leave none for expert parallelism): the next test has lanes in each stage."""
+    results = run_ranks(_run_megatron_pipelined, tmp_path)
+    assert [result["stage"] for result in results] == [0, 1]
+    for result in results:
+        for run in ("stock", "torch_ext"):
+            assert result[run].pop("threads")["all_to_all"] == set()
+    _check_pipelined(results)
+
+
+@NEEDS_MEGATRON
+def test_megatron_pipelined_schedule_runs_each_stages_all_to_all_in_a_lane(tmp_path):
+    """forward_backward_pipelining_without_interleaving on 4 gloo ranks, pipeline 2 x expert parallel 2: each stage's
+    two ranks exchange tokens through Megatron's _AllToAll, declared to a lane. Under enable() each stage's
+    backward gives stock's bits, and ran _AllToAll's backward on another thread than the dense path's (stock: the
+    same thread), so that a lane that does not run fails."""
+    results = run_ranks(_run_megatron_pipelined_expert_parallel, tmp_path, world_size=4)
+    # Megatron's grouping on 4 ranks: ranks 0 and 1 are the first stage, 2 and 3 the second, each pair an
+    # expert-parallel group.
+    assert [result["stage"] for result in results] == [0, 0, 1, 1]
+    assert [result["expert_group"] for result in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for rank, result in enumerate(results):
+        stock, ours = result["stock"].pop("threads"), result["torch_ext"].pop("threads")
+        assert len(stock["all_to_all"]) == 1 and stock["all_to_all"] == stock["dense"], (rank, stock)
+        assert ours["all_to_all"] and ours["dense"], (rank, ours)
+        assert ours["all_to_all"].isdisjoint(ours["dense"]), (rank, ours)
+    _check_pipelined(results)
 
 
 # -- DeepSpeed ----------------------------------------------------------------------------------------------------
