@@ -192,8 +192,7 @@ def run_benchmark(benchmark: Benchmark, folder: Path, quick: bool, progress) -> 
             start_new_session=True,
         )
         try:
-            while process.poll() is None:
-                time.sleep(POLL_S)
+            while not _exited(process, POLL_S):
                 lines = _log_lines(log_path)
                 progress.running(benchmark.name, time.perf_counter() - started, lines[-1] if lines else "")
         except BaseException:
@@ -203,6 +202,16 @@ def run_benchmark(benchmark: Benchmark, folder: Path, quick: bool, progress) -> 
     outcome = Outcome(benchmark.name, process.returncode, elapsed, log_path, folder / f"{benchmark.name}.csv")
     progress.finish(outcome.name, outcome.status, outcome.seconds)
     return outcome
+
+
+def _exited(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Waits up to ``timeout_s`` for ``process``; whether it has exited. Returns as soon as it exits, where a sleep
+    of the poll's interval lost a quarter of a second a benchmark on average."""
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
