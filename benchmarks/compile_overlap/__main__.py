@@ -1,21 +1,14 @@
-"""``python -m benchmarks.compile_overlap``: the options, and the sweep on two hosts (the ranks import .rank)."""
+"""``python -m benchmarks.compile_overlap``: the options, and the sweep on two hosts."""
 
 from __future__ import annotations
 
 import sys
 
 from ..harness.results import torch_version
-from ..harness.sweep import SweepConfig, parse_sweep_args, run_sweep, sweep_config, sweep_parser
+from ..harness.sweep import parse_sweep_args, run_sweep, sweep_config, sweep_parser
 from . import WORLD_SIZE
 from . import __doc__ as DOC
 from .report import report
-
-
-def rank_part(config: SweepConfig, backend_options: dict) -> dict:
-    """On each rank: its part (.rank, which imports torch; the launcher does not)."""
-    from .rank import run_rank
-
-    return run_rank(config, backend_options)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
     )
     backend_options = {} if args.matmuls_per_region is None else {"matmuls_per_region": args.matmuls_per_region}
-    return run_sweep(__spec__.parent, args, argv, lambda: rank_part(config, backend_options), report, announce)
+    return run_sweep(__spec__.parent, args, argv, (config, backend_options), report, announce)
 
 
 if __name__ == "__main__":

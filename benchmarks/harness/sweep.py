@@ -3,8 +3,8 @@ recsys_torchrec, moe_sync, compile_overlap, microbatch_overlap): its settings (R
 ``SweepConfig``), its options (``sweep_parser``), its main (``run_sweep``: two hosts, or a rank under torchrun),
 each point's depth (``sweep_depth``) and its repetitions (``timed_repetitions``).
 
-A sweep benchmark is a package: its ``__main__`` parses the options and calls ``run_sweep`` with its rank's part,
-which it imports only on the ranks, and its report. This module, ``hosts``, ``results``, ``report``, ``exposure``
+A sweep benchmark is a package: its ``__main__`` parses the options and calls ``run_sweep`` with the arguments of
+its rank's part (``rank.run_rank``, imported on the ranks alone) and its report. This module, ``hosts``, ``results``, ``report``, ``exposure``
 and ``timing`` import no torch, so the launcher starts the hosts without paying for torch's import (~1.4 s here);
 the ranks' side (``calibration`` and the benchmark's model) does.
 """
@@ -12,6 +12,7 @@ the ranks' side (``calibration`` and the benchmark's model) does.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import os
 import sys
@@ -134,19 +135,20 @@ def run_sweep(
     module: str,
     args: argparse.Namespace,
     argv: list[str] | None,
-    run_rank: Callable[[], object],
+    rank_arguments: Sequence[object],
     report: Callable,
     announce: str,
 ) -> int:
     """A sweep's main; ``module`` is the benchmark's package, which ``python -m`` runs. Started by torchrun (by
-    ``hosts.run_on_two_hosts``, ``--rank-results``, or by a user on two machines, where rank 0 reports):
-    ``run_rank()`` (this rank's part, in the process group; its result JSON-serializable) on every rank, and leaves.
-    Otherwise runs the benchmark on 2 ranks as 2 hosts, sampling the runnable tasks meanwhile, and reports:
-    ``report(results, link, out, load)``, every rank's result in rank order, prints the table and writes the CSV.
-    Returns the exit status."""
+    ``hosts.run_on_two_hosts``, ``--rank-results``, or by a user on two machines, where rank 0 reports): the rank's
+    part, ``<module>.rank.run_rank(*rank_arguments)``, on every rank in the process group (its result
+    JSON-serializable), and leaves. The rank module, which imports torch and the benchmark's model, is imported
+    there alone. Otherwise runs the benchmark on 2 ranks as 2 hosts, sampling the runnable tasks meanwhile, and
+    reports: ``report(results, link, out, load)``, every rank's result in rank order, prints the table and writes
+    the CSV. Returns the exit status."""
     # Started by torchrun (it sets TORCHELASTIC_RUN_ID): one of the ranks.
     if args.rank_results is not None or "TORCHELASTIC_RUN_ID" in os.environ:
-        results = _on_every_rank(run_rank)
+        results = _on_every_rank(lambda: importlib.import_module(f"{module}.rank").run_rank(*rank_arguments))
         if args.rank_results is not None:
             write_rank_result(args.rank_results, results[int(os.environ["RANK"])])
         elif os.environ["RANK"] == "0":

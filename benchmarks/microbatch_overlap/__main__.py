@@ -1,24 +1,16 @@
-"""``python -m benchmarks.microbatch_overlap``: the options, and the sweep on two hosts (the ranks import .rank)."""
+"""``python -m benchmarks.microbatch_overlap``: the options, and the sweep on two hosts."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 
 from ..harness.results import torch_version
-from ..harness.sweep import SweepConfig, parse_sweep_args, run_sweep, sweep_config, sweep_parser
+from ..harness.sweep import parse_sweep_args, run_sweep, sweep_config, sweep_parser
 from ..moe_libraries import INSTALL_HINT, installed_libraries
 from . import N_MICROBATCHES, NAME, WORLD_SIZE
 from . import __doc__ as DOC
 from .report import report
-from .shapes import QUICK_SHAPES, SHAPES, ModelShape, parse_shapes
-
-
-def rank_part(library: str, config: SweepConfig, shapes: Sequence[ModelShape], dense_layers_pinned: int | None) -> dict:
-    """On each rank: its part (.rank, which imports torch and the library; the launcher imports neither)."""
-    from .rank import run_rank
-
-    return run_rank(library, config, shapes, dense_layers_pinned)
+from .shapes import QUICK_SHAPES, SHAPES, parse_shapes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(shape.option_name for shape in shapes)}, ratios {','.join(f'{r:g}' for r in config.ratios)}, "
         f"{config.reps} repetitions"
     )
-    return run_sweep(
-        __spec__.parent, args, argv, lambda: rank_part(library, config, shapes, args.dense_layers), report, announce
-    )
+    return run_sweep(__spec__.parent, args, argv, (library, config, shapes, args.dense_layers), report, announce)
 
 
 if __name__ == "__main__":

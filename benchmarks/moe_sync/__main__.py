@@ -1,22 +1,15 @@
-"""``python -m benchmarks.moe_sync``: the options, and the sweep on two hosts (the ranks import .rank)."""
+"""``python -m benchmarks.moe_sync``: the options, and the sweep on two hosts."""
 
 from __future__ import annotations
 
 import sys
 
 from ..harness.results import torch_version
-from ..harness.sweep import SweepConfig, parse_sweep_args, run_sweep, sweep_config, sweep_parser
+from ..harness.sweep import parse_sweep_args, run_sweep, sweep_config, sweep_parser
 from ..moe_libraries import INSTALL_HINT, installed_libraries
 from . import WORLD_SIZE
 from . import __doc__ as DOC
 from .report import report
-
-
-def rank_part(libraries: list[str], config: SweepConfig) -> dict:
-    """On each rank: its part (.rank, which imports torch and the libraries; the launcher imports neither)."""
-    from .rank import run_rank
-
-    return run_rank(libraries, config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         f"moe_sync: torch {torch_version()}, {WORLD_SIZE} gloo ranks, {', '.join(libraries)}, "
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
     )
-    return run_sweep(__spec__.parent, args, argv, lambda: rank_part(libraries, config), report, announce)
+    return run_sweep(__spec__.parent, args, argv, (libraries, config), report, announce)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.overlap``: the options, and the sweep on two hosts (the ranks import .rank)."""
+"""``python -m benchmarks.overlap``: the options, and the sweep on two hosts."""
 
 from __future__ import annotations
 
@@ -10,13 +10,6 @@ from ..harness.sweep import parse_sweep_args, run_sweep, sweep_config, sweep_par
 from . import VARIANTS, WORLD_SIZE, Config
 from . import __doc__ as DOC
 from .report import report
-
-
-def rank_part(config: Config) -> dict:
-    """On each rank: its part (.rank, which imports torch; the launcher does not)."""
-    from .rank import run_rank
-
-    return run_rank(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         f"overlap: torch {torch_version()}, {WORLD_SIZE} gloo ranks, {config.payload_mib:g} MiB each way, "
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions of {len(VARIANTS)} variants"
     )
-    return run_sweep(__spec__.parent, args, argv, lambda: rank_part(config), report, announce)
+    return run_sweep(__spec__.parent, args, argv, (config,), report, announce)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.recsys_torchrec``: the options, and the sweep on two hosts (the ranks import .rank)."""
+"""``python -m benchmarks.recsys_torchrec``: the options, and the sweep on two hosts."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 import sys
 
 from ..harness.results import torch_version
-from ..harness.sweep import SweepConfig, parse_sweep_args, run_sweep, sweep_config, sweep_parser
+from ..harness.sweep import parse_sweep_args, run_sweep, sweep_config, sweep_parser
 from . import WORLD_SIZE
 from . import __doc__ as DOC
 from .report import report
@@ -14,13 +14,6 @@ from .report import report
 
 def has_torchrec() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in ("torchrec", "fbgemm_gpu"))
-
-
-def rank_part(config: SweepConfig) -> dict:
-    """On each rank: its part (.rank, which imports torch and TorchRec; the launcher imports neither)."""
-    from .rank import run_rank
-
-    return run_rank(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         f"recsys_torchrec: torch {torch_version()}, {WORLD_SIZE} gloo ranks, "
         f"ratios {','.join(f'{r:g}' for r in config.ratios)}, {config.reps} repetitions"
     )
-    return run_sweep(__spec__.parent, args, argv, lambda: rank_part(config), report, announce)
+    return run_sweep(__spec__.parent, args, argv, (config,), report, announce)
 
 
 if __name__ == "__main__":
