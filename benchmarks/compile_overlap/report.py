@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..harness.exposure import exposure, measured_ratio, merge_ranks, step_efficiency
+from ..harness.exposure import measured_ratio, merge_ranks, variant_exposure
 from ..harness.report import measured_ratio_row, print_load, sweep_case
 from ..harness.results import csv_row, git_sha, write_csv
 from ..harness.timing import Summary, summarize
@@ -49,15 +49,11 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
                 compute_variant = COMPUTE_OF[variant]
                 compute = samples[compute_variant]["backward_s"]
                 compute_step = summarize([t * 1e3 for t in samples[compute_variant]["step_s"]])
-                exposed_ms, efficiency = exposure(samples[variant]["exposed_s"], t_comm)
-                by_step = step_efficiency(backward, compute, t_comm)
-                rows.append(csv_row(variant, case, size, "exposed_ms", exposed_ms, sha))
-                rows.append(csv_row(variant, case, size, "efficiency", efficiency, sha))
-                rows.append(csv_row(variant, case, size, "step_efficiency", by_step, sha))
-                rows.append(csv_row(variant, case, size, "compute_step_ms", compute_step, sha))
+                exposed = variant_exposure(variant, case, size, samples, t_comm, sha, compute)
+                rows += [*exposed.rows, csv_row(variant, case, size, "compute_step_ms", compute_step, sha)]
                 compute_text = f"{compute_step.median:.1f}"
-                exposed_text, efficiency_text = f"{exposed_ms.median:.1f}", f"{efficiency.median:.2f}"
-                by_step_text = f"{by_step.median:.2f}"
+                exposed_text, efficiency_text = f"{exposed.exposed_ms.median:.1f}", f"{exposed.efficiency.median:.2f}"
+                by_step_text = f"{exposed.by_step.median:.2f}"
             print(
                 f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<18} {backward_summary.median:12.1f} "
                 f"{backward_summary.median / 1e3 / stock_backward:7.2f} {step_summary.median:9.1f} "

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from .results import csv_row
 from .timing import Summary, summarize
 
 
@@ -62,6 +64,42 @@ def merge_ranks(points_of_each_rank: Sequence[Sequence[dict]]) -> list[dict]:
 def exposure(exposed_s: Sequence[float], t_comm_s: float) -> tuple[Summary, Summary]:
     """Exposed communication in ms and overlap efficiency (1 - exposed / T_comm) of a point's repetitions."""
     return summarize([e * 1e3 for e in exposed_s]), summarize([1 - e / t_comm_s for e in exposed_s])
+
+
+@dataclass(frozen=True)
+class VariantExposure:
+    """A variant's exposed communication at a sweep point (``variant_exposure``): its summaries for the table, and
+    ``rows``, their CSV rows."""
+
+    exposed_ms: Summary
+    efficiency: Summary
+    # By step time (``step_efficiency``); None without a communication-free backward to read it against.
+    by_step: Summary | None
+    rows: list[dict[str, object]]
+
+
+def variant_exposure(
+    variant: str,
+    case: str,
+    size: str,
+    samples: dict,
+    t_comm_s: float,
+    sha: str,
+    compute_s: Sequence[float] | None = None,
+) -> VariantExposure:
+    """``variant``'s exposed ms and efficiency at sweep point ``case`` (``exposure``, of its merged ``samples``'
+    ``exposed_s``) and, against ``compute_s`` (the same repetitions' communication-free backward), its efficiency by
+    step time: the CSV rows ``exposed_ms``, ``efficiency`` and ``step_efficiency``, in that order."""
+    exposed_ms, efficiency = exposure(samples[variant]["exposed_s"], t_comm_s)
+    rows = [
+        csv_row(variant, case, size, "exposed_ms", exposed_ms, sha),
+        csv_row(variant, case, size, "efficiency", efficiency, sha),
+    ]
+    by_step = None
+    if compute_s is not None:
+        by_step = step_efficiency(samples[variant]["backward_s"], compute_s, t_comm_s)
+        rows.append(csv_row(variant, case, size, "step_efficiency", by_step, sha))
+    return VariantExposure(exposed_ms, efficiency, by_step, rows)
 
 
 def step_efficiency(backward_s: Sequence[float], compute_s: Sequence[float], t_comm_s: float) -> Summary:

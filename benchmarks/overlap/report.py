@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..harness.exposure import exposure, measured_ratio, merge_ranks, step_efficiency
+from ..harness.exposure import measured_ratio, merge_ranks, variant_exposure
 from ..harness.report import measured_ratio_row, print_load, print_t_comm, sweep_case
 from ..harness.results import csv_row, git_sha, write_csv
 from ..harness.timing import Summary, summarize
@@ -47,18 +47,14 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
             rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
             exposed_text = efficiency_text = by_step_text = ideal_text = over_text = ""
             if variant in COLLECTIVE_VARIANTS:
-                exposed_ms, efficiency = exposure(samples[variant]["exposed_s"], t_comm)
                 # The same repetition's compute-only backward on the same engine: what the step costs beyond it,
                 # the communication's exposed part and the slowdown it causes (noisy: two backward times' gap).
                 compute = samples[compute_of(variant)]["backward_s"]
+                exposed = variant_exposure(variant, case, size, samples, t_comm, sha, compute)
                 over_compute = summarize([(b - c) * 1e3 for b, c in zip(times, compute, strict=True)])
-                by_step = step_efficiency(times, compute, t_comm)
-                rows.append(csv_row(variant, case, size, "exposed_ms", exposed_ms, sha))
-                rows.append(csv_row(variant, case, size, "efficiency", efficiency, sha))
-                rows.append(csv_row(variant, case, size, "step_efficiency", by_step, sha))
-                rows.append(csv_row(variant, case, size, "over_compute_ms", over_compute, sha))
-                exposed_text, efficiency_text = f"{exposed_ms.median:.1f}", f"{efficiency.median:.2f}"
-                by_step_text, ideal_text = f"{by_step.median:.2f}", f"{ideal:.2f}"
+                rows += [*exposed.rows, csv_row(variant, case, size, "over_compute_ms", over_compute, sha)]
+                exposed_text, efficiency_text = f"{exposed.exposed_ms.median:.1f}", f"{exposed.efficiency.median:.2f}"
+                by_step_text, ideal_text = f"{exposed.by_step.median:.2f}", f"{ideal:.2f}"
                 over_text = f"{over_compute.median:.1f}"
             print(
                 f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<18} {backward!s:<30} "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..harness.exposure import exposure, measured_ratio, merge_ranks, step_efficiency
+from ..harness.exposure import measured_ratio, merge_ranks, variant_exposure
 from ..harness.report import measured_ratio_row, print_load, print_t_comm, sweep_case
 from ..harness.results import csv_row, git_sha, write_csv
 from ..harness.timing import Summary, summarize
@@ -48,21 +48,19 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
         for variant in ENGINE_VARIANTS:
             step = summarize([t * 1e3 for t in samples[variant]["step_s"]])
             backward = summarize([t * 1e3 for t in samples[variant]["backward_s"]])
-            exposed, efficiency = exposure(samples[variant]["exposed_s"], t_comm)
             rows.append(csv_row(variant, case, size, "step_ms", step, sha))
             rows.append(csv_row(variant, case, size, "backward_ms", backward, sha))
-            rows.append(csv_row(variant, case, size, "exposed_ms", exposed, sha))
-            rows.append(csv_row(variant, case, size, "efficiency", efficiency, sha))
-            by_step_text = ""
-            if variant != "stock":
-                by_step = step_efficiency(samples[variant]["backward_s"], stock_compute, t_comm)
-                rows.append(csv_row(variant, case, size, "step_efficiency", by_step, sha))
-                by_step_text = f"{by_step.median:.2f}"
+            # Stock's compute is its own backward less its exposed time: by step time it would repeat its efficiency.
+            exposed = variant_exposure(
+                variant, case, size, samples, t_comm, sha, None if variant == "stock" else stock_compute
+            )
+            rows += exposed.rows
+            by_step_text = "" if exposed.by_step is None else f"{exposed.by_step.median:.2f}"
             print(
                 f"{point['ratio']:5g} {point['dense_layers']:6d} {variant:<10} {step!s:<26} "
                 f"{step.median / 1e3 / stock_step:6.2f} {backward!s:<22} "
-                f"{backward.median / 1e3 / stock_backward:6.2f} {exposed.median:10.1f} {efficiency.median:10.2f} "
-                f"{by_step_text:>7} {ideal:5.2f}"
+                f"{backward.median / 1e3 / stock_backward:6.2f} {exposed.exposed_ms.median:10.1f} "
+                f"{exposed.efficiency.median:10.2f} {by_step_text:>7} {ideal:5.2f}"
             )
         rows.append(csv_row("comm", case, size, "backward_ms", comm, sha))
         print(f"{point['ratio']:5g} {point['dense_layers']:6d} {'comm':<10} {'':<26} {'':>6} {comm!s:<22}")
