@@ -23,6 +23,14 @@ def benchmark_command(module: str) -> list[str]:
     return [sys.executable, "-m", f"{bench.benchmarks_package()}.{module}"]
 
 
+def run_benchmark(command: list[str], timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """Runs ``command`` (a benchmark's, or torchrun's around one) in the environment bench gives a benchmark, its
+    output captured."""
+    return subprocess.run(
+        command, env=bench.benchmark_environment(), check=False, capture_output=True, text=True, timeout=timeout_s
+    )
+
+
 def write_rows(path: Path, rows: list[tuple]) -> None:
     """A benchmark's CSV, as benchmarks/harness/results.py writes it."""
     with open(path, "w", newline="") as f:

@@ -20,6 +20,7 @@ from bench_helpers import (
     descendants,
     our_namespaces,
     overlap_sweep_rows,
+    run_benchmark,
     terminate_when,
     write_rows,
 )
@@ -153,15 +154,10 @@ def test_stock_backward_events_mark_the_collective_and_its_wait(monkeypatch, one
 @pytest.mark.distributed
 def test_overlap_timeline_of_stock_and_torch_ext(tmp_path):
     png = tmp_path / "timeline.png"
-    result = subprocess.run(
+    result = run_benchmark(
         benchmark_command("overlap")
         + ["--quick", "--reps", "2", "--network", "loopback", "--ratios", "1", "--timeline", str(png)]
-        + ["--out", str(tmp_path / "overlap.csv")],
-        env=bench.benchmark_environment(),
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=240,
+        + ["--out", str(tmp_path / "overlap.csv")]
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert png.read_bytes().startswith(PNG_SIGNATURE) and png.stat().st_size > 10_000
@@ -212,24 +208,10 @@ def test_sigterm_to_overlap_stops_both_hosts_and_deletes_the_namespaces(tmp_path
 def test_overlap_started_by_torchrun_reports_on_rank_0(tmp_path):
     # As on two real machines (README "Across machines"), here as one torchrun with 2 ranks.
     out = tmp_path / "overlap.csv"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [
-            "-m",
-            f"{bench.benchmarks_package()}.overlap",
-            "--quick",
-            "--reps",
-            "2",
-            "--ratios",
-            "0.5,1",
-            "--out",
-            str(out),
-        ],
-        env=bench.benchmark_environment(),
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = run_benchmark(
+        [*torchrun, "-m", f"{bench.benchmarks_package()}.overlap", "--quick", "--reps", "2", "--ratios", "0.5,1"]
+        + ["--out", str(out)]
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("backward ms: median") == 1

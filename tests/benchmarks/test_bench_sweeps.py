@@ -3,10 +3,9 @@ microbatch_overlap have files of their own), and recsys_torchrec's quick run che
 
 import csv
 import importlib.util
-import subprocess
 
 import pytest
-from bench_helpers import benchmark_command, write_rows
+from bench_helpers import benchmark_command, run_benchmark, write_rows
 
 from torch_ext import bench
 
@@ -59,22 +58,9 @@ def test_recsys_torchrec_quick_run_matches_stock_and_reports(tmp_path):
     """Its check of stock's bits (losses, dense gradients, tables after the fused update) passes at every sweep
     point, and the CSV holds both engines' step, backward, exposed communication and efficiency at each."""
     out = tmp_path / "recsys.csv"
-    result = subprocess.run(
-        [
-            *benchmark_command("recsys_torchrec"),
-            "--quick",
-            "--reps",
-            "2",
-            "--ratios",
-            "0.5,1",
-            "--out",
-            str(out),
-        ],
-        env=bench.benchmark_environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    result = run_benchmark(
+        [*benchmark_command("recsys_torchrec"), "--quick", "--reps", "2", "--ratios", "0.5,1", "--out", str(out)],
+        timeout_s=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(out) as f:
