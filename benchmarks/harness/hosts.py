@@ -35,6 +35,7 @@ import os
 import shlex
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -153,14 +154,17 @@ def _run_on_two_hosts(module: str, args: Sequence[str], mode: str, timeout_s: fl
 
 def _environment(module: str) -> dict[str, str]:
     """The hosts' environment: this process's, with the folder ``module``'s top-level package was imported from
-    first on PYTHONPATH, so that every rank imports the same benchmark as the launcher, whatever the working
-    directory."""
+    (a checkout's top level) first on PYTHONPATH, so that every rank imports the same benchmark as the launcher,
+    whatever the working directory. Not a site-packages folder (installed from a wheel): every Python finds that
+    already, and first on PYTHONPATH it would come before the standard library."""
     top = importlib.util.find_spec(module.partition(".")[0])
     if top is None or top.origin is None:
         raise ValueError(f"{module!r} cannot be imported here")
-    folder = Path(top.origin).parent
+    folder = Path(top.origin).resolve().parent
     if top.submodule_search_locations is not None:  # a package: its folder's parent
         folder = folder.parent
+    if folder in {Path(path).resolve() for path in [*site.getsitepackages(), site.getusersitepackages()]}:
+        return dict(os.environ)
     path = [str(folder), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
 
