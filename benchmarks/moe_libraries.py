@@ -4,9 +4,9 @@ Imports neither library (nor torch) until ``library_all_to_all``."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 from collections.abc import Callable
+
+from .harness.sweep import module_installed
 
 LIBRARIES = ("megatron", "deepspeed")
 LIBRARY_NAMES = {"megatron": "Megatron-core", "deepspeed": "DeepSpeed"}
@@ -17,20 +17,7 @@ INSTALL_HINT = "pip install torch==2.13.0 megatron-core==0.16.1 deepspeed==0.19.
 def installed_libraries() -> list[str]:
     """The libraries installed here, in LIBRARIES' order."""
     modules = {"megatron": "megatron.core", "deepspeed": "deepspeed.moe"}
-    return [library for library in LIBRARIES if _installed(modules[library])]
-
-
-def _installed(name: str) -> bool:
-    """Whether module ``name`` can be imported, found without importing the packages above it: find_spec of a
-    dotted name imports its parents, and deepspeed's __init__ imports torch and much more (3.3 s in a sweep's
-    launcher, which imports no torch, before its hosts could start)."""
-    top, *parts = name.split(".")
-    spec = importlib.util.find_spec(top)
-    for part in parts:
-        if spec is None or spec.submodule_search_locations is None:
-            return False
-        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
-    return spec is not None
+    return [library for library in LIBRARIES if module_installed(modules[library])]
 
 
 def library_all_to_all(library: str) -> tuple[Callable, type]:

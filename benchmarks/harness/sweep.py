@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -161,6 +162,19 @@ def run_sweep(
         run = run_on_two_hosts(module, forwarded, mode=args.network)
     report(run.results, run.network.label, args.out, load())
     return 0
+
+
+def module_installed(name: str) -> bool:
+    """Whether module ``name`` can be imported, found without importing the packages above it: what a sweep's
+    launcher asks of the libraries its ranks need, before it starts its hosts. find_spec of a dotted name imports
+    its parents, and deepspeed's __init__ imports torch and much more (3.3 s here)."""
+    top, *parts = name.split(".")
+    spec = importlib.util.find_spec(top)
+    for part in parts:
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    return spec is not None
 
 
 def timed_variants(config: SweepConfig, variants: Sequence[str], left_out_when_quick: Sequence[str]) -> tuple[str, ...]:
