@@ -82,7 +82,7 @@ def test_every_declared_benchmark_has_its_main_and_its_summary():
         assert callable(module.main), declared.name
         summary = bench.benchmark_module(declared.summary_module)
         assert callable(summary.summary_rows) and callable(summary.plot), declared.name
-    names = bench.benchmark_names()
+    names = [declared.name for declared in bench.registry()]
     assert len(names) == len(set(names)) and names[0] == "engine_overhead"
 
 

@@ -100,7 +100,8 @@ def leave_rank() -> NoReturn:
     """In the benchmark, on every rank, after ``write_rank_result`` (and ``destroy_process_group``): exits with
     status 0 at once, without the interpreter's and C++'s exit-time teardown. Ranks that had done all their
     work died there ("terminate called without an active exception", some library's thread still joinable at
-    exit): in a CI run of overlap.py, and in 2 of 4 runs of tests/test_bench.py's all_reduce script without it."""
+    exit): in a CI run of overlap, and in 2 of 4 runs of tests/benchmarks/test_bench_hosts.py's all_reduce ranks
+    without it."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
