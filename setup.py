@@ -28,7 +28,7 @@ TORCHREC_DEPENDENCIES = [
 ]
 # Libraries whose programs the tests run on torch_ext's engine, each light and pure Python on CPU:
 # Megatron-core's and DeepSpeed's synchronous MoE all_to_all (tests/distributed/test_sync_collectives.py,
-# benchmarks/moe_sync.py; megatron-core 0.16.1 is the last release for Python 3.11; DeepSpeed builds no ops at
+# benchmarks/moe_sync; megatron-core 0.16.1 is the last release for Python 3.11; DeepSpeed builds no ops at
 # install, and JIT-builds only a CPU comm op at its first init_distributed) and a Hugging Face training loop
 # (tests/test_plan_cache.py).
 CLIENT_LIBRARIES = ["megatron-core==0.16.1", "deepspeed==0.19.8", "transformers==5.24.0"]
@@ -42,6 +42,8 @@ DOCS_REQUIREMENTS = ["sphinx==9.0.4", "myst-parser==5.2.0"]
 # Lint, run by .ci/run: ruff (check and format; config in pyproject.toml) and clang-format (.clang-format). Pinned:
 # a new release's rules or formatting would fail CI on code that did not change.
 LINT_REQUIREMENTS = ["ruff==0.17.5", "clang-format==23.1.3"]
+# benchmarks/ and its subpackages (harness/, the benchmarks that are packages).
+BENCHMARK_PACKAGES = find_packages(where=HERE, include=["benchmarks", "benchmarks.*"])
 
 
 class BuildWithInfo(BuildExtension):
@@ -73,11 +75,16 @@ setup(
         # of that name that PyPI's triton-kernels (Triton's own) installs. torch_ext/__init__.py gives a checkout
         # run in place the same name.
         "torch_ext._triton_kernels",
-        # The benchmark scripts, for `python -m torch_ext bench` (torch_ext/bench.py) when installed from a wheel.
-        # They stay scripts in benchmarks/ (no __init__.py: they import _common from their own directory).
-        "torch_ext.benchmarks",
+        # The benchmarks (benchmarks/: the registry, the harness, each benchmark), installed inside torch_ext as
+        # torch_ext.benchmarks: `python -m torch_ext bench` (the README's main job, also the torch-ext console script)
+        # runs them from a wheel too, each as `python -m torch_ext.benchmarks.<name>`, found through
+        # benchmarks/registry.py. Without them a wheel's bench would have nothing to run.
+        *(f"torch_ext.{package}" for package in BENCHMARK_PACKAGES),
     ],
-    package_dir={"torch_ext._triton_kernels": "triton_kernels", "torch_ext.benchmarks": "benchmarks"},
+    package_dir={
+        "torch_ext._triton_kernels": "triton_kernels",
+        **{f"torch_ext.{package}": package.replace(".", "/") for package in BENCHMARK_PACKAGES},
+    },
     python_requires=">=3.10",
     install_requires=[f"torch=={TORCH_PIN}"],
     extras_require={

@@ -38,7 +38,7 @@ engine comes first.
 The long-format CSV has, per graph, metric ``peak_bytes`` for ``stock``, ``torch_ext`` (first calls) and
 ``torch_ext_replayed``: median, 20th and 80th percentile over the runs (all three equal when the runs repeat).
 
-    python benchmarks/backward_memory.py [--quick] [--runs N] [--out results/backward_memory.csv]
+    python -m benchmarks.backward_memory [--quick] [--runs N] [--out results/backward_memory.csv]
 """
 
 from __future__ import annotations
@@ -50,13 +50,16 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from _common import Summary, SummaryRow, bar_chart, csv_cases, csv_row, git_sha, summarize, write_csv
 from torch import nn
 
 import torch_ext
 from torch_ext import _C
 from torch_ext.memory import PeakMemory
 from torch_ext.testing import identity_difference
+
+from .harness.report import SummaryRow, bar_chart
+from .harness.results import csv_cases, csv_row, git_sha, write_csv
+from .harness.timing import Summary, summarize
 
 # A structure's plan is kept from its second call on: the third call is the first replay.
 FIRST_REPLAY = 3

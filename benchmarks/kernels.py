@@ -26,7 +26,7 @@ rounds of both, the kernels and copies one call launches (torch.profiler), and t
 op must read and write over the device time, against the device's copy bandwidth (do_bench of a 256 MB
 ``copy_``, counting bytes read plus written).
 
-    python benchmarks/kernels.py [--quick] [--rounds N] [--block-size N] [--out results/kernels.csv]
+    python -m benchmarks.kernels [--quick] [--rounds N] [--block-size N] [--out results/kernels.csv]
 
 Without a CUDA device or without triton there is nothing to measure: it says so and exits 0.
 """
@@ -41,18 +41,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from _common import (
-    Summary,
-    SummaryRow,
-    bar_chart,
-    csv_cases,
-    csv_row,
-    git_sha,
-    print_columns,
-    progress,
-    summarize,
-    write_csv,
-)
+
+from .harness.report import SummaryRow, bar_chart
+from .harness.results import csv_cases, csv_row, git_sha, print_columns, progress, write_csv
+from .harness.timing import Summary, summarize
 
 FP32, BF16 = torch.float32, torch.bfloat16
 WALL_CALLS = 50  # back-to-back calls per wall-time sample

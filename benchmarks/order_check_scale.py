@@ -23,7 +23,7 @@ independent of the world. What is not here: the exchange's wall time on a real n
 bytes over the group's mirror, waited for by the lane that starts the group's first collective), and
 ``wait`` (one ``work.wait()`` per group, on that lane).
 
-    python benchmarks/order_check_scale.py [--quick] [--reps N] [--out results/order_check_scale.csv]
+    python -m benchmarks.order_check_scale [--quick] [--reps N] [--out results/order_check_scale.csv]
 """
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from _common import Summary, SummaryRow, csv_row, git_sha, print_columns, summarize, timed_call, write_csv
 
 import torch_ext
 from torch_ext.collectives import order_check
+
+from .harness.report import SummaryRow
+from .harness.results import csv_row, git_sha, print_columns, write_csv
+from .harness.timing import Summary, summarize, timed_call
 
 WORLDS = (8, 64, 512, 1024, 4096, 8192)
 EXPERT_PARALLEL = 8

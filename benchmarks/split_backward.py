@@ -36,7 +36,7 @@ already freed; negative when dI freed more than it kept).
 Before anything is timed, all three variants must give torch.equal input gradients and weight
 gradients, or the script fails.
 
-    python benchmarks/split_backward.py [--quick] [--reps N] [--out results/split_backward.csv]
+    python -m benchmarks.split_backward [--quick] [--reps N] [--out results/split_backward.csv]
 """
 
 from __future__ import annotations
@@ -49,24 +49,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from _common import (
-    Summary,
-    SummaryRow,
-    bar_chart,
-    csv_cases,
-    csv_row,
-    git_sha,
-    print_columns,
-    progress,
-    summarize,
-    timed_call,
-    write_csv,
-)
 from torch import nn
 from torch.distributed.pipelining import _backward as pipelining_backward
 from torch.utils.checkpoint import checkpoint
 
 import torch_ext.pipelining
+
+from .harness.report import SummaryRow, bar_chart
+from .harness.results import csv_cases, csv_row, git_sha, print_columns, progress, write_csv
+from .harness.timing import Summary, summarize, timed_call
 
 WARMUP_REPS = 2
 # Both engines run CPU nodes on the calling thread; intra-op threads only change the matmuls. One

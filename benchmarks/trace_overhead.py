@@ -22,11 +22,11 @@ are compared under callgrind, counting only inside ``BackwardCall::run`` (discov
 
     valgrind --tool=callgrind --callgrind-out-file=OUT \\
         --toggle-collect='torch_ext::BackwardCall::run(torch::autograd::Node*)' \\
-        python benchmarks/trace_overhead.py --callgrind-workload off
+        python -m benchmarks.trace_overhead --callgrind-workload off
 
 once with this checkout and once with a build of the commit before tracing (README, "Tracing").
 
-    python benchmarks/trace_overhead.py [--quick] [--reps N] [--out results/trace_overhead.csv]
+    python -m benchmarks.trace_overhead [--quick] [--reps N] [--out results/trace_overhead.csv]
 """
 
 from __future__ import annotations
@@ -38,25 +38,17 @@ import time
 from collections.abc import Sequence
 
 import torch
-from _common import (
-    Summary,
-    SummaryRow,
-    bar_chart,
-    csv_cases,
-    csv_row,
-    git_sha,
-    print_columns,
-    summarize,
-    timed_call,
-    write_csv,
-)
-from engine_overhead import MLP, Chain, count_nodes, fresh_graph
 
 import torch_ext
 
+from .graphs import MLP, Chain, count_nodes, fresh_graph
+from .harness.report import SummaryRow, bar_chart
+from .harness.results import csv_cases, csv_row, git_sha, print_columns, write_csv
+from .harness.timing import Summary, summarize, timed_call
+
 WARMUP_REPS = 3
 QUICK_WARMUP_REPS = 1
-# As engine_overhead.py: one intra-op thread, or OpenMP barriers on the shared 2-core machine drown
+# As engine_overhead: one intra-op thread, or OpenMP barriers on the shared 2-core machine drown
 # the difference being measured.
 DEFAULT_THREADS = 1
 # The callgrind workload: three backward calls of a 3,000-node chain. Under callgrind the process

@@ -1,7 +1,8 @@
 """csrc/'s folders are layers (docs/internals.md, "Layout"): collectives/ -> engine/ -> overlap/ -> bindings/, each
 including only the ones before it, as engine/'s own folders do (plan/ -> host/ -> run/ -> split/); only bindings/
 includes Python. In the Python package (and in benchmarks/) no two modules import each other, directly or round a
-longer circle. Reads the sources; needs no built engine."""
+longer circle; benchmarks/harness/ imports no benchmark, and no benchmark another. Reads the sources; needs no built
+engine."""
 
 import ast
 import re
@@ -146,24 +147,26 @@ def test_no_python_modules_import_each_other():
     assert package["torch_ext.kernels"] >= {"torch_ext._triton_kernels.multi_tensor_ref"}
     assert package["torch_ext._triton_kernels.multi_tensor"] == {"torch_ext._triton_kernels.multi_tensor_ref"}
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    benchmarks = {
-        f"benchmarks.{module}": {f"benchmarks.{name}" for name in names}
-        for module, names in _benchmark_imports().items()
-    }
-    assert "benchmarks._common" in benchmarks["benchmarks.overlap"]
+    benchmarks = module_imports(ROOT / "benchmarks")
+    assert "benchmarks.harness.sweep" in benchmarks["benchmarks.overlap.__main__"]
     assert import_circles(package) == [] and import_circles(benchmarks) == []
 
 
-def _benchmark_imports() -> dict[str, set[str]]:
-    """benchmarks/ is a folder of scripts that import each other by bare name (``from _common import ...``)."""
-    scripts = {path.stem: path for path in (ROOT / "benchmarks").glob("*.py")}
-    imports = {}
-    for name, path in scripts.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names if alias.name in scripts)
-            elif isinstance(node, ast.ImportFrom) and node.module in scripts and not node.level:
-                found.add(node.module)
-        imports[name] = found - {name}
-    return imports
+# What the benchmarks share besides the harness: the graphs engine_overhead and trace_overhead time, the MoE
+# libraries' all_to_all moe_sync and microbatch_overlap run.
+SHARED_BENCHMARK_MODULES = {"benchmarks", "benchmarks.graphs", "benchmarks.moe_libraries"}
+
+
+def test_the_harness_is_below_the_benchmarks():
+    """benchmarks/harness/ imports no benchmark, and a benchmark imports no other benchmark: what they share is in
+    the harness (or a shared module), so that a benchmark's modules can change without reaching into another's."""
+    benchmarks = module_imports(ROOT / "benchmarks")
+    harness = {module for module in benchmarks if module.startswith("benchmarks.harness")}
+    assert "benchmarks.harness.timing" in benchmarks["benchmarks.harness.sweep"]  # the walk sees relative imports
+    assert [module for module in harness if not benchmarks[module] <= harness] == []
+    shared = harness | SHARED_BENCHMARK_MODULES
+    reaching = {
+        module: sorted(name for name in imported - shared if name.split(".")[:2] != module.split(".")[:2])
+        for module, imported in benchmarks.items()
+    }
+    assert {module: names for module, names in reaching.items() if names} == {}

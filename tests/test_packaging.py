@@ -1,6 +1,7 @@
 """What setup.py installs: torch_ext and nothing beside it at the top level. In particular the Triton kernels (the
 repository's triton_kernels/ folder) go in as ``torch_ext._triton_kernels``: PyPI's triton-kernels, Triton's own,
-installs a top-level ``triton_kernels``, which ours would overwrite or be shadowed by."""
+installs a top-level ``triton_kernels``, which ours would overwrite or be shadowed by; and the benchmarks
+(benchmarks/) as ``torch_ext.benchmarks``, which ``python -m torch_ext bench`` runs from a wheel."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def test_setup_installs_only_torch_ext_at_the_top_level(setup_arguments):
     assert {package.split(".")[0] for package in packages} == {"torch_ext"}
     assert "torch_ext._triton_kernels" in packages
     assert setup_arguments["package_dir"]["torch_ext._triton_kernels"] == "triton_kernels"
+
+
+def test_the_benchmarks_ship_inside_torch_ext(setup_arguments):
+    # `python -m torch_ext bench` runs them from a wheel too (setup.py says so): every package of benchmarks/ goes in
+    # as torch_ext.benchmarks.<...>, a new benchmark's included.
+    folders = {path.parent.relative_to(REPO).as_posix() for path in (REPO / "benchmarks").rglob("__init__.py")}
+    assert {"benchmarks", "benchmarks/harness", "benchmarks/microbatch_overlap"} <= folders
+    package_dir = setup_arguments["package_dir"]
+    assert {package_dir[f"torch_ext.{folder.replace('/', '.')}"] for folder in folders} == folders
 
 
 def test_every_package_setup_names_is_a_folder(setup_arguments):

@@ -3,8 +3,8 @@
     python tools/clean_exit_repro.py CASE [--runs N] [--pin] [--preimport] [--leave]
 
 Each run starts 2 gloo ranks (``sys.executable``, a store held here). The ranks do CASE and then exit
-normally, or through ``benchmarks/_hosts.leave_rank`` (os._exit) with --leave. The script counts the rank
-exits that abort (SIGABRT, or the message on stderr). Cases:
+normally, or through ``leave_rank`` of benchmarks/harness/hosts.py (os._exit) with --leave. The script counts the
+rank exits that abort (SIGABRT, or the message on stderr). Cases:
 
   stock-no-destroy       all_reduce of a tensor Python keeps, then exit without destroy_process_group
   stock-destroy          the same, then destroy_process_group (the group is freed and gloo's workers joined)
@@ -44,10 +44,11 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 def _rank(case: str, rank: int, port: int, preimport: bool, leave: bool) -> None:
-    sys.path[:0] = [str(CHECKOUT), str(CHECKOUT / "benchmarks")]
+    sys.path.insert(0, str(CHECKOUT))
     import torch
     import torch.distributed as dist
-    from _hosts import leave_rank
+
+    from benchmarks.harness.hosts import leave_rank
 
     if preimport:
         import torch._dynamo
@@ -117,7 +118,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=25)
     parser.add_argument("--pin", action="store_true", help="each rank on a core of its own")
     parser.add_argument("--preimport", action="store_true", help="import torch._dynamo before init_process_group")
-    parser.add_argument("--leave", action="store_true", help="ranks leave with _hosts.leave_rank (os._exit)")
+    parser.add_argument(
+        "--leave", action="store_true", help="ranks leave with benchmarks.harness.hosts.leave_rank (os._exit)"
+    )
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -6,7 +6,7 @@
 #
 # 1. the stream tests on CUDA (tests/test_accelerator_streams.py picks CUDA when there is one), both engines;
 # 2. the Triton kernels compiled (tests/test_kernels.py's CUDA tests: no TRITON_INTERPRET);
-# 3. benchmarks/kernels.py (the Triton kernels against torch's foreach ops);
+# 3. benchmarks/kernels.py, python -m benchmarks.kernels (the Triton kernels against torch's foreach ops);
 # 4. the accelerator collectives on NCCL (tests/distributed/test_accelerator_collectives.py picks NCCL when there
 #    is a GPU): a lane, a deferred wait and overlap across microbatches, 2 ranks, each on GPU rank % count (NCCL
 #    may refuse two ranks on one GPU; the log says so);
@@ -39,7 +39,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 
 step streams 120 python -m pytest -v -p no:cacheprovider tests/test_accelerator_streams.py
 step triton_compiled 120 python -m pytest -v -p no:cacheprovider tests/test_kernels.py -k cuda
-step kernels_bench 90 python benchmarks/kernels.py --out "$OUT/kernels.csv"
+step kernels_bench 90 python -m benchmarks.kernels --out "$OUT/kernels.csv"
 step nccl_collectives 120 python -m pytest -v -p no:cacheprovider tests/distributed/test_accelerator_collectives.py
 step bench_quick 240 python -m torch_ext bench --quick --out "$OUT/bench"
 

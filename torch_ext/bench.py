@@ -1,16 +1,17 @@
 """``python -m torch_ext bench``: every benchmark against stock PyTorch, one summary, one results folder.
 
-Each benchmark script (``benchmarks/<name>.py``, installed as ``torch_ext/benchmarks/``) runs as its own
-subprocess, so that the benchmarks do not share a process's warm caches, allocator state or threads,
-and so that overlap.py can launch its two torchrun hosts (benchmarks/_hosts.py). Each writes its
-long-format CSV and log into the results folder. Afterwards this module is the table: each CSV is read
-back and turned into summary rows and a bar chart of the ratios to stock by the benchmark's own
-``summary_rows`` and ``plot`` (each script knows its CSV's layout), and the rows of all of them are
-printed and written as ``summary.md`` and ``summary.csv``. Plots are made from the CSVs, outside the
-timed runs.
+The benchmarks are the package ``benchmarks`` of the checkout torch_ext runs from (installed from a wheel:
+``torch_ext.benchmarks``), and ``benchmarks/registry.py`` declares which there are and in what order. Each runs as
+its own subprocess (``python -m benchmarks.<name>``), so that the benchmarks do not share a process's warm caches,
+allocator state or threads, and so that the two-host ones can launch their torchrun hosts
+(benchmarks/harness/hosts.py). Each writes its long-format CSV and log into the results folder. Afterwards this
+module is the table: each CSV is read back and turned into summary rows and a bar chart of the ratios to stock by
+its benchmark's summary module (``summary_rows`` and ``plot``: each benchmark knows its CSV's layout), and the rows
+of all of them are printed and written as ``summary.md`` and ``summary.csv``. Plots are made from the CSVs, outside
+the timed runs.
 
 A benchmark that exits nonzero makes the whole command exit nonzero, after the others have run and the
-summary of what there is has been written. One that exits 0 without writing its CSV (kernels.py without
+summary of what there is has been written. One that exits 0 without writing its CSV (kernels without
 a CUDA device) is reported as skipped, with its last line as the reason.
 """
 
@@ -18,9 +19,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib
-import importlib.resources
-import importlib.util
 import itertools
 import os
 import platform
@@ -34,28 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-# Every benchmark, in the order they run: cheapest first, so a broken install fails fast. Every script of
-# benchmarks/ is one (tests/test_bench.py checks that none is left out).
-BENCHMARK_NAMES = (
-    "engine_overhead",
-    "trace_overhead",
-    "order_check_scale",
-    "backward_memory",
-    "split_backward",
-    "overlap",
-    "recsys_torchrec",
-    "moe_sync",
-    "compile_overlap",
-    "microbatch_overlap",
-    "kernels",
-)
-# Extra outputs a benchmark writes into the results folder: (option, file name).
-EXTRA_OUTPUTS = {"overlap": (("--timeline", "overlap_timeline.png"),)}
+from torch_ext.bench_progress import make_progress
+
 # How often the progress display reads the running benchmark's log.
 POLL_S = 0.5
-# Without a progress bar (CI logs), a line this often while a benchmark runs, so the log never stays
-# silent for long.
-HEARTBEAT_S = 30.0
 # What a failed benchmark's message quotes from its log.
 FAILURE_LOG_LINES = 20
 # How long a stopped benchmark gets to clean up after SIGINT before its process group is killed.
@@ -64,13 +46,16 @@ STOP_GRACE_S = 30.0
 
 @dataclass(frozen=True)
 class Benchmark:
+    """A benchmark as bench runs it: ``command`` and its options, its output in the results folder."""
+
     name: str
-    script: Path
-    # (option, file name in the results folder) pairs passed to the script.
+    # What runs it, before its options (--out CSV, --quick, its extra outputs').
+    command: tuple[str, ...]
+    # (option, file name in the results folder) pairs passed to it.
     extra_outputs: tuple[tuple[str, str], ...] = ()
 
-    def command(self, folder: Path, quick: bool) -> list[str]:
-        command = [sys.executable, str(self.script), "--out", str(folder / f"{self.name}.csv")]
+    def command_line(self, folder: Path, quick: bool) -> list[str]:
+        command = [*self.command, "--out", str(folder / f"{self.name}.csv")]
         if quick:
             command.append("--quick")
         for option, file_name in self.extra_outputs:
@@ -91,62 +76,65 @@ class Benchmark:
         return [folder / f"{self.name}{suffix}" for suffix in (".csv", ".log", ".png")] + self.extra_files(folder)
 
 
-def benchmarks_dir() -> Path:
-    """The benchmark scripts that belong to the torch_ext being run.
-
-    In a source checkout (imported through PYTHONPATH, or installed editable) they are the checkout's
-    ``benchmarks/`` beside the package; a wheel installs them as the package ``torch_ext.benchmarks``.
-    The checkout comes first, for two reasons seen here: setuptools' editable finder maps
-    ``torch_ext.benchmarks`` to ``benchmarks/`` but cannot import it without an ``__init__.py``; and with
-    PYTHONPATH pointing at one checkout while another is installed editable, that finder would lead to
-    the other checkout's scripts.
-    """
-    package_dir = Path(__file__).resolve().parent
-    checkout = package_dir.parent / "benchmarks"
-    if (checkout / "_common.py").is_file():
-        return checkout
-    # A namespace package (the scripts have no __init__.py), whose files() is a MultiplexedPath: a file in it
-    # is a plain path.
-    return Path(str(importlib.resources.files("torch_ext.benchmarks") / "_common.py")).parent
+def _checkout() -> Path | None:
+    """The source checkout torch_ext runs from (imported through PYTHONPATH, or installed editable), whose
+    ``benchmarks/`` are this torch_ext's; None when torch_ext is installed from a wheel."""
+    top = Path(__file__).resolve().parent.parent
+    return top if (top / "setup.py").is_file() and (top / "benchmarks" / "registry.py").is_file() else None
 
 
-def _on_path(directory: Path) -> None:
-    if str(directory) not in sys.path:
-        sys.path.insert(0, str(directory))
-
-
-def _common() -> ModuleType:
-    """benchmarks/_common.py: the helpers the scripts share (the summary row, the CSV reader, the git sha)."""
-    _on_path(benchmarks_dir())
-    return importlib.import_module("_common")
+@functools.cache
+def benchmarks_package() -> str:
+    """The name the benchmarks of the torch_ext being run import as: ``benchmarks`` in a source checkout, whose top
+    level goes on sys.path (and on the benchmarks' PYTHONPATH: ``benchmark_environment``), ``torch_ext.benchmarks``
+    from a wheel. The checkout's own first, rather than ``torch_ext.benchmarks`` wherever it is: with PYTHONPATH
+    pointing at one checkout while another is installed editable, setuptools' editable finder would lead to the
+    other checkout's benchmarks."""
+    checkout = _checkout()
+    if checkout is None:
+        return "torch_ext.benchmarks"
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    return "benchmarks"
 
 
 def benchmark_module(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` as a module, for its ``summary_rows(csv_rows)`` and ``plot(rows, figure)``.
+    """The module ``name`` of the benchmarks' package (``"overlap.summary"``, ``"harness.results"``)."""
+    return importlib.import_module(f"{benchmarks_package()}.{name}")
 
-    The scripts import their helpers (``_common``, ``_hosts``) as top-level modules from their own directory,
-    as Python does when it runs them, so that directory goes on sys.path. The script itself is loaded under
-    a name of its own, ``torch_ext_benchmark_<name>``, so that it neither shadows nor is shadowed by another
-    top-level module of the same name (a ``kernels`` package).
-    """
-    module_name = f"torch_ext_benchmark_{name}"
-    if module_name not in sys.modules:
-        directory = benchmarks_dir()
-        _on_path(directory)
-        spec = importlib.util.spec_from_file_location(module_name, directory / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[module_name]
-            raise
-    return sys.modules[module_name]
+
+def benchmark_environment() -> dict[str, str]:
+    """A benchmark's environment: this process's, unbuffered (its log shows its lines as they come and in the order
+    printed), with a checkout's top level first on PYTHONPATH so that it imports this checkout's benchmarks and
+    torch_ext, whatever the working directory."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    checkout = _checkout()
+    if checkout is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def registry() -> tuple:
+    """benchmarks/registry.py's BENCHMARKS: every benchmark's declaration, in the order they run."""
+    return benchmark_module("registry").BENCHMARKS
 
 
 def all_benchmarks() -> dict[str, Benchmark]:
-    directory = benchmarks_dir()
-    return {name: Benchmark(name, directory / f"{name}.py", EXTRA_OUTPUTS.get(name, ())) for name in BENCHMARK_NAMES}
+    """Every declared benchmark as bench runs it: ``python -m <package>.<its module>``."""
+    return {
+        declared.name: Benchmark(
+            declared.name,
+            (sys.executable, "-m", f"{benchmarks_package()}.{declared.main_module}"),
+            declared.extra_outputs,
+        )
+        for declared in registry()
+    }
+
+
+def _summary_module(name: str) -> ModuleType:
+    """Benchmark ``name``'s module with ``summary_rows(csv_rows)`` and ``plot(rows, figure)``."""
+    declared = next(declared for declared in registry() if declared.name == name)
+    return benchmark_module(declared.summary_module)
 
 
 @dataclass
@@ -178,102 +166,29 @@ def _log_lines(path: Path) -> list[str]:
     return [line.rstrip() for line in text.splitlines() if line.strip()]
 
 
-# --- progress -------------------------------------------------------------------------------------
-
-
-class PlainProgress:
-    """Progress as lines (stderr is not a terminal, or tqdm is not installed)."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.index = 0
-        self.last_heartbeat = 0.0
-
-    def start(self, name: str) -> None:
-        self.index += 1
-        self.last_heartbeat = 0.0
-        _progress(f"bench: [{self.index}/{self.total}] {name} ...")
-
-    def running(self, name: str, elapsed: float, last_line: str) -> None:
-        if elapsed - self.last_heartbeat >= HEARTBEAT_S:
-            self.last_heartbeat = elapsed
-            _progress(f"bench:   {name} running for {elapsed:.0f} s: {last_line}")
-
-    def finish(self, outcome: Outcome) -> None:
-        _progress(f"bench: [{self.index}/{self.total}] {outcome.name} {outcome.status} in {outcome.seconds:.1f} s")
-
-    def close(self) -> None:
-        pass
-
-
-class BarProgress:
-    """A tqdm bar over the benchmarks; the running one's name, elapsed time and latest log line."""
-
-    def __init__(self, total: int, tqdm) -> None:
-        self.bar = tqdm(
-            total=total,
-            file=sys.stderr,
-            dynamic_ncols=True,
-            # No rate: benchmarks differ too much in length for one.
-            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]{postfix}",
-        )
-
-    def start(self, name: str) -> None:
-        self.bar.set_description(name)
-
-    def running(self, name: str, elapsed: float, last_line: str) -> None:
-        self.bar.set_postfix_str(f"{elapsed:.0f} s: {last_line[:60]}")
-
-    def finish(self, outcome: Outcome) -> None:
-        self.bar.write(f"bench: {outcome.name} {outcome.status} in {outcome.seconds:.1f} s", file=sys.stderr)
-        self.bar.set_postfix_str("")
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def make_progress(total: int) -> PlainProgress | BarProgress:
-    if sys.stderr.isatty():
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            pass
-        else:
-            return BarProgress(total, tqdm)
-    return PlainProgress(total)
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 # --- running ----------------------------------------------------------------------------------------
 
 
 def run_benchmark(benchmark: Benchmark, folder: Path, quick: bool, progress) -> Outcome:
-    """Runs one benchmark script, its stdout and stderr into ``<folder>/<name>.log``."""
+    """Runs one benchmark, its stdout and stderr into ``<folder>/<name>.log``."""
     log_path = folder / f"{benchmark.name}.log"
-    # Unbuffered, so the log shows the script's lines as they come and in the order printed.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # An earlier run's files in the same folder must not pass for this run's (a CSV makes it "ok").
     for path in benchmark.outputs(folder):
         path.unlink(missing_ok=True)
     progress.start(benchmark.name)
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        # Its own session and process group (with the ranks overlap.py spawns), so that stopping it reaches
+        # Its own session and process group (with the ranks a two-host benchmark spawns), so that stopping it reaches
         # all of them, however bench itself was stopped.
         process = subprocess.Popen(
-            benchmark.command(folder, quick),
+            benchmark.command_line(folder, quick),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=benchmark_environment(),
             start_new_session=True,
         )
         try:
-            while process.poll() is None:
-                time.sleep(POLL_S)
+            while not _exited(process, POLL_S):
                 lines = _log_lines(log_path)
                 progress.running(benchmark.name, time.perf_counter() - started, lines[-1] if lines else "")
         except BaseException:
@@ -281,14 +196,24 @@ def run_benchmark(benchmark: Benchmark, folder: Path, quick: bool, progress) -> 
             raise
     elapsed = time.perf_counter() - started
     outcome = Outcome(benchmark.name, process.returncode, elapsed, log_path, folder / f"{benchmark.name}.csv")
-    progress.finish(outcome)
+    progress.finish(outcome.name, outcome.status, outcome.seconds)
     return outcome
+
+
+def _exited(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Waits up to ``timeout_s`` for ``process``; whether it has exited. Returns as soon as it exits, where a sleep
+    of the poll's interval lost a quarter of a second a benchmark on average."""
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """SIGINT to the benchmark's process group, as Ctrl-C would send; SIGKILL if it is not done in ``grace_s``.
 
-    The grace lets the script clean up (overlap.py stops its ranks and deletes its network namespace).
+    The grace lets the benchmark clean up (a two-host one stops its ranks and deletes its network namespaces).
     """
     try:
         os.killpg(process.pid, signal.SIGINT)
@@ -380,11 +305,12 @@ TABLE_HEADER = ("benchmark", "case", "variant", "baseline", "measured", "measure
 
 
 def summarize_folder(folder: Path, names: Sequence[str]) -> list:
-    """The summary rows (``SummaryRow`` of benchmarks/_common.py) of each benchmark's CSV in ``folder``, made by
-    the benchmark's own ``summary_rows``: each script knows its CSV's layout."""
+    """The summary rows (``SummaryRow`` of benchmarks/harness/report.py) of each benchmark's CSV in ``folder``, made
+    by the benchmark's own ``summary_rows``: each benchmark knows its CSV's layout."""
+    read_csv = benchmark_module("harness.results").read_csv
     rows = []
     for name in names:
-        rows += benchmark_module(name).summary_rows(_common().read_csv(folder / f"{name}.csv"))
+        rows += _summary_module(name).summary_rows(read_csv(folder / f"{name}.csv"))
     return rows
 
 
@@ -437,7 +363,7 @@ def write_plots(folder: Path, rows: Sequence) -> list[Path]:
     written = []
     for name in dict.fromkeys(r.benchmark for r in rows):
         figure = Figure(figsize=(8, 4.5), layout="constrained")
-        benchmark_module(name).plot([r for r in rows if r.benchmark == name], figure)
+        _summary_module(name).plot([r for r in rows if r.benchmark == name], figure)
         path = folder / f"{name}.png"
         figure.savefig(path, dpi=110)
         written.append(path)
@@ -462,7 +388,8 @@ def fresh_folder(path: Path) -> Path:
 def default_folder(quick: bool) -> Path:
     """``results/bench-<UTC time>-<git sha or 'nogit'>[-quick]`` under the working directory."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return Path("results") / f"bench-{stamp}-{_common().git_sha()}{'-quick' if quick else ''}"
+    sha = benchmark_module("harness.results").git_sha()
+    return Path("results") / f"bench-{stamp}-{sha}{'-quick' if quick else ''}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -474,7 +401,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only",
         metavar="NAME[,NAME]",
-        help=f"run only these benchmarks (of {', '.join(BENCHMARK_NAMES)})",
+        # Not listed here: naming them means importing the registry, which every torch_ext command's parser would do.
+        help="run only these benchmarks, in this order (benchmarks/registry.py; an unknown name lists them)",
     )
     parser.add_argument(
         "--out",
@@ -486,16 +414,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     available = all_benchmarks()
-    names = BENCHMARK_NAMES
+    names = tuple(available)
     if args.only is not None:
         # Each once, in the order given.
         names = tuple(dict.fromkeys(name.strip() for name in args.only.split(",") if name.strip()))
         if not names:
-            parser.error(f"--only {args.only!r} selects no benchmark: choose from {', '.join(BENCHMARK_NAMES)}")
+            parser.error(f"--only {args.only!r} selects no benchmark: choose from {', '.join(available)}")
         unknown = [name for name in names if name not in available]
         if unknown:
-            parser.error(
-                f"--only {args.only!r}: unknown {', '.join(unknown)}; choose from {', '.join(BENCHMARK_NAMES)}"
-            )
+            parser.error(f"--only {args.only!r}: unknown {', '.join(unknown)}; choose from {', '.join(available)}")
     folder = args.out if args.out is not None else fresh_folder(default_folder(args.quick))
     return run_all([available[name] for name in names], folder, args.quick)

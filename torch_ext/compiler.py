@@ -137,7 +137,7 @@ def partition_at_collectives(graph: fx.Graph, matmuls_per_region: int) -> dict[f
 
 
 # The default most matrix products in one compiled region. 1, the finest the engine can interleave: at x1 of
-# benchmarks/compile_overlap.py (one Linear + ReLU layer ~2.5 ms here) 2 and 4 read 0.85 and 0.79 by step time,
+# benchmarks/compile_overlap (one Linear + ReLU layer ~2.5 ms here) 2 and 4 read 0.85 and 0.79 by step time,
 # within the runs' noise of 1 (0.77-0.82).
 MATMULS_PER_REGION = 1
 

@@ -498,7 +498,7 @@ def overlap_microbatches(forward_collectives: ForwardCollectives = "after_backwa
       the backward has started k, the backward's (k+1)-th once the forward has issued k (or waits for the
       backward to end). The forward's first collective no longer waits for the backward's last, at the cost of
       making the backward's wait for the forward's. On CPU it measured lower exposure than the default, most
-      where the compute beside an all_to_all is short (``benchmarks/microbatch_overlap.py``); on an accelerator
+      where the compute beside an all_to_all is short (``benchmarks/microbatch_overlap``); on an accelerator
       the engine thread itself waits for the turn, which is unmeasured. Where the engine does not hold the
       backward's collectives to the plan's order (no lane node and no order check), the same as the default.
     - ``"beside_backward_collectives"``: at once. The backward's collectives go to a twin of their group, a gloo

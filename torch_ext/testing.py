@@ -5,7 +5,7 @@ that torch_ext's tests hold the engine to, bit for bit, dtype, shape and strides
 them. ``torch_ext.verify`` compares by the same rule (``_elements_differ`` and :func:`identity_difference`).
 
 The TorchRec DLRM sharded table-wise over the ranks of the default process group (tests/distributed/test_torchrec.py,
-tests/distributed/test_verify_distributed.py, benchmarks/recsys_torchrec.py). TorchRec is imported only when one is
+tests/distributed/test_verify_distributed.py, benchmarks/recsys_torchrec). TorchRec is imported only when one is
 built. ``SyncAllToAll``, a synchronous all_to_all as Megatron-core writes it (tests/distributed/test_collective_order.py,
 tools/clean_exit_repro.py).
 """

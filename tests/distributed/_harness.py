@@ -258,7 +258,7 @@ def _rank_main(
     # Leave at once, without the interpreter's and C++'s exit-time teardown: a rank that had saved its result
     # still died there now and then ("terminate called without an active exception", a library's thread
     # still joinable at exit; seen in test_collectives' TORCH_EXT_CURRENT_NODE=off scheduling spawn, as
-    # benchmarks/_hosts.py's leave_rank saw it in the benchmarks' ranks).
+    # benchmarks/harness/hosts.py's leave_rank saw it in the benchmarks' ranks).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -23,8 +23,8 @@ before finalization. It shows up on a loaded machine. Here the window is widened
 time: the switch interval is 10 s, and rank 0's main thread holds the GIL in a C loop while the worker
 finishes.
 
-So the ranks leave with ``os._exit`` once their work is done (``benchmarks/_hosts.leave_rank``, and the same
-lines in ``_harness._rank_main``). The test checks that leaving that way does not abort. It also checks that
+So the ranks leave with ``os._exit`` once their work is done (``leave_rank`` of benchmarks/harness/hosts.py, and the
+same lines in ``_harness._rank_main``). The test checks that leaving that way does not abort. It also checks that
 an ordinary exit still aborts. When that stops being true (CPython 3.14 parks such threads instead of
 exiting them; PyTorch may change), the workaround may be droppable. tools/clean_exit_repro.py measures the
 rate in realistic cases.
@@ -35,24 +35,24 @@ from __future__ import annotations
 import datetime
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from torch_ext import bench
-
 pytestmark = pytest.mark.distributed
 
+CHECKOUT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
 TIMEOUT_S = 60
 ABORT = "terminate called without an active exception"
 
 RANK_SCRIPT = """
 import datetime, os, sys, time
-sys.path.insert(0, {benchmarks!r})
+sys.path.insert(0, {checkout!r})
 import torch
 import torch.distributed as dist
-from _hosts import leave_rank  # imported before the race: an import releases the GIL
+from benchmarks.harness.hosts import leave_rank  # imported before the race: an import releases the GIL
 
 rank, port, leave = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "leave_rank"
 torch.set_num_threads(1)
@@ -112,9 +112,7 @@ def _aborted(rank: subprocess.CompletedProcess) -> bool:
 @pytest.fixture
 def rank_script(tmp_path) -> str:
     path = tmp_path / "rank.py"
-    path.write_text(
-        RANK_SCRIPT.format(benchmarks=str(bench.benchmarks_dir()), timeout_s=TIMEOUT_S, world_size=WORLD_SIZE)
-    )
+    path.write_text(RANK_SCRIPT.format(checkout=str(CHECKOUT), timeout_s=TIMEOUT_S, world_size=WORLD_SIZE))
     return str(path)
 
 
@@ -123,8 +121,9 @@ def test_leave_rank_exits_cleanly_where_an_ordinary_exit_aborts(rank_script):
     plain = _run_ranks(rank_script, "exit")
     assert any(_aborted(rank) for rank in plain), (
         "an ordinary exit no longer aborts in this reproducer (issue #21): PyTorch or CPython may have fixed "
-        "it, and the os._exit in benchmarks/_hosts.leave_rank and tests/distributed/_harness.py may no longer "
-        "be needed\n" + "\n".join(f"rank {r}: exit {rank.returncode}\n{rank.stdout}" for r, rank in enumerate(plain))
+        "it, and the os._exit in benchmarks/harness/hosts.py's leave_rank and tests/distributed/_harness.py may no "
+        "longer be needed\n"
+        + "\n".join(f"rank {r}: exit {rank.returncode}\n{rank.stdout}" for r, rank in enumerate(plain))
     )
     # With it: every rank exits with status 0.
     for attempt in range(3):

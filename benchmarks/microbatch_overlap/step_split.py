@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from _common import schedstat
+from ..harness.timing import schedstat
 
 Interval = tuple[int, int]
 

@@ -1,8 +1,9 @@
-"""Runs a benchmark script on 2 ranks as 2 hosts, each started by torchrun as users start it on real machines.
+"""Runs a benchmark on 2 ranks as 2 hosts, each started by torchrun as users start it on real machines.
 
-On two machines a user runs, on machine i (0 or 1)::
+On two machines a user runs, on machine i (0 or 1), from the checkout's top level::
 
-    torchrun --nnodes 2 --node-rank i --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint host0:29500 script.py
+    torchrun --nnodes 2 --node-rank i --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint host0:29500 \\
+        -m benchmarks.<name>
 
 Here each "machine" is a network namespace of its own, joined to the other by a veth pair whose both ends are
 shaped to LINK_RATE with HTB (a NIC that moves bytes without the CPU: docs/design.md, "Measuring overlap on
@@ -12,26 +13,29 @@ that the torchrun line above runs unchanged: node 0 finds that it hosts the rend
 endpoint is its own name, every rank learns rank 0's address from its host name, and gloo binds to the address
 its host name resolves to, the veth's.
 
-The launcher runs the script on both hosts, and passes it ``--rank-results DIR``: each rank writes its result
-there with ``write_rank_result``, then leaves with ``leave_rank``, and ``run_on_two_hosts`` returns the
-results in rank order. When the namespaces
-cannot be made (not root, no iproute2 or util-linux, no veth), it says why and falls back: to both torchruns
-in one namespace whose loopback is shaped, then to both on plain loopback, where gloo's copies compete with
-compute for the same cores and nothing can overlap. ``Network.label`` says which ran, for a benchmark's CSV.
+The launcher runs the benchmark's module on both hosts (``python -m``, from the folder it was imported from,
+whatever the working directory), and passes it ``--rank-results DIR``: each rank writes its result there with
+``write_rank_result``, then leaves with ``leave_rank``, and ``run_on_two_hosts`` returns the results in rank order.
+When the namespaces cannot be made (not root, no iproute2 or util-linux, no veth), it says why and falls back: to
+both torchruns in one namespace whose loopback is shaped, then to both on plain loopback, where gloo's copies
+compete with compute for the same cores and nothing can overlap. ``Network.label`` says which ran, for a
+benchmark's CSV.
 
 Stopping: as soon as one host exits with an error, the other is stopped (SIGTERM, which torchrun passes to its
 worker; SIGKILL after STOP_GRACE_S) and the error raised; on any exception (Ctrl-C, a SIGTERM turned into
 KeyboardInterrupt here, a timeout) the same; every process left in the namespaces (``ip netns pids``)
-is killed, and the namespaces and their ``/etc/netns`` folders deleted, in a ``finally``.
+is killed, and the namespaces and their ``/etc/netns`` folders deleted, in a ``finally``. Imports no torch.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -42,6 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
+
+from .results import progress
 
 HOSTS = 2
 # The modelled NIC. At 1 Gbit/s a few MiB take tens of milliseconds, comparable to a few dense layers'
@@ -80,15 +86,8 @@ class HostsRun:
     results: list
 
 
-def progress(message: str) -> None:
-    """Prints a progress line: to stderr, flushed at once, so that stdout carries only results and
-    whoever watches a run (a terminal, ``python -m torch_ext bench`` reading the log) sees where it is.
-    (Here, below ``_common``, which re-exports it: the benchmarks' helpers import in one direction.)"""
-    print(message, file=sys.stderr, flush=True)
-
-
 def write_rank_result(directory: str, result: object) -> None:
-    """In the script, on every rank: hands ``result`` (JSON-serializable) to the launcher. ``directory`` is the
+    """In the benchmark, on every rank: hands ``result`` (JSON-serializable) to the launcher. ``directory`` is the
     value of ``--rank-results``; the rank is torchrun's ``RANK``."""
     path = Path(directory) / f"rank{os.environ['RANK']}.json"
     partial = path.with_suffix(".partial")
@@ -97,43 +96,21 @@ def write_rank_result(directory: str, result: object) -> None:
     partial.replace(path)
 
 
-def agreed_max(value: float) -> float:
-    """In the script, on every rank: the largest of the ranks' ``value`` (a calibration all ranks must share)."""
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
-
-
-def timed_all_to_all(send) -> float:
-    """In the script, on every rank: seconds of one ``all_to_all_single`` of ``send`` (equal splits), started
-    together (a barrier first): the communication alone, T_comm."""
-    import torch
-    import torch.distributed as dist
-
-    receive = torch.empty_like(send)
-    dist.barrier()
-    start = time.perf_counter()
-    dist.all_to_all_single(receive, send)
-    return time.perf_counter() - start
-
-
 def leave_rank() -> NoReturn:
-    """In the script, on every rank, after ``write_rank_result`` (and ``destroy_process_group``): exits with
+    """In the benchmark, on every rank, after ``write_rank_result`` (and ``destroy_process_group``): exits with
     status 0 at once, without the interpreter's and C++'s exit-time teardown. Ranks that had done all their
     work died there ("terminate called without an active exception", some library's thread still joinable at
-    exit): in a CI run of overlap.py, and in 2 of 4 runs of tests/test_bench.py's all_reduce script without it."""
+    exit): in a CI run of overlap, and in 2 of 4 runs of tests/benchmarks/test_bench_hosts.py's all_reduce ranks
+    without it."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
 def run_on_two_hosts(
-    script: str, args: Sequence[str], *, mode: str = "two-hosts", timeout_s: float | None = None
+    module: str, args: Sequence[str], *, mode: str = "two-hosts", timeout_s: float | None = None
 ) -> HostsRun:
-    """Runs ``python script *args --rank-results DIR`` on 2 ranks, each started by torchrun on its own host.
+    """Runs ``python -m module *args --rank-results DIR`` on 2 ranks, each started by torchrun on its own host.
 
     ``mode`` is the network wanted (MODES, in order of preference); what cannot be made falls back to the
     next, said on stderr. Raises RuntimeError when a host fails (within about a second of its exit, the other
@@ -153,7 +130,7 @@ def run_on_two_hosts(
             signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
         }
     try:
-        return _run_on_two_hosts(script, args, mode, timeout_s)
+        return _run_on_two_hosts(module, args, mode, timeout_s)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
@@ -163,17 +140,34 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _run_on_two_hosts(script: str, args: Sequence[str], mode: str, timeout_s: float | None) -> HostsRun:
+def _run_on_two_hosts(module: str, args: Sequence[str], mode: str, timeout_s: float | None) -> HostsRun:
     with tempfile.TemporaryDirectory(prefix="torch_ext_ranks_") as results:
-        command = [os.path.abspath(script), *args, RANK_RESULTS_OPTION, results]
+        command = ["-m", module, *args, RANK_RESULTS_OPTION, results]
         with _network(mode) as (network, hosts):
             progress(f"hosts: 2 ranks on {network.label}")
-            _run_hosts(hosts, command, timeout_s)
+            _run_hosts(hosts, command, _environment(module), timeout_s)
         paths = [Path(results) / f"rank{rank}.json" for rank in range(HOSTS)]
         missing = [rank for rank, path in enumerate(paths) if not path.is_file()]
         if missing:
             raise RuntimeError(f"ranks {missing} exited without writing a result")
         return HostsRun(network, [json.loads(path.read_text()) for path in paths])
+
+
+def _environment(module: str) -> dict[str, str]:
+    """The hosts' environment: this process's, with the folder ``module``'s top-level package was imported from
+    (a checkout's top level) first on PYTHONPATH, so that every rank imports the same benchmark as the launcher,
+    whatever the working directory. Not a site-packages folder (installed from a wheel): every Python finds that
+    already, and first on PYTHONPATH it would come before the standard library."""
+    top = importlib.util.find_spec(module.partition(".")[0])
+    if top is None or top.origin is None:
+        raise ValueError(f"{module!r} cannot be imported here")
+    folder = Path(top.origin).resolve().parent
+    if top.submodule_search_locations is not None:  # a package: its folder's parent
+        folder = folder.parent
+    if folder in {Path(path).resolve() for path in [*site.getsitepackages(), site.getusersitepackages()]}:
+        return dict(os.environ)
+    path = [str(folder), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
 
 
 # --- the hosts ---------------------------------------------------------------------------------------------
@@ -187,12 +181,12 @@ class _Host:
     # The namespace it runs in, whose processes are killed at the end (None: plain loopback).
     netns: str | None
 
-    def command(self, node_rank: int, script_command: Sequence[str]) -> list[str]:
+    def command(self, node_rank: int, benchmark_command: Sequence[str]) -> list[str]:
         torchrun = [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(HOSTS), "--node-rank", str(node_rank), "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint,
-            *script_command,
+            *benchmark_command,
         ]  # fmt: skip
         return [*self.prefix, *torchrun]
 
@@ -323,11 +317,13 @@ _MAKERS = {"two-hosts": _make_two_hosts, "one-namespace": _make_one_namespace, "
 # --- running and stopping ------------------------------------------------------------------------------------
 
 
-def _run_hosts(hosts: Sequence[_Host], script_command: Sequence[str], timeout_s: float | None) -> None:
+def _run_hosts(
+    hosts: Sequence[_Host], benchmark_command: Sequence[str], environment: dict[str, str], timeout_s: float | None
+) -> None:
     processes = []
     try:
         for node_rank, host in enumerate(hosts):
-            processes.append(_start(host.command(node_rank, script_command), f"host{node_rank}"))
+            processes.append(_start(host.command(node_rank, benchmark_command), environment, f"host{node_rank}"))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         last_refresh = 0.0
         while True:
@@ -351,8 +347,10 @@ def _run_hosts(hosts: Sequence[_Host], script_command: Sequence[str], timeout_s:
         _stop(processes)
 
 
-def _start(command: list[str], name: str) -> tuple[subprocess.Popen, _Descendants]:
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+def _start(command: list[str], environment: dict[str, str], name: str) -> tuple[subprocess.Popen, _Descendants]:
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=environment
+    )
     threading.Thread(target=_prefix_lines, args=(process.stdout, f"{name}: "), daemon=True).start()
     return process, _Descendants(process.pid)
 
