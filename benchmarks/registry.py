@@ -50,5 +50,6 @@ BENCHMARKS = (
     Benchmark("moe_sync", summary="moe_sync.summary"),
     Benchmark("compile_overlap", summary="compile_overlap.summary"),
     Benchmark("microbatch_overlap", summary="microbatch_overlap.summary"),
+    Benchmark("trainer_overlap", summary="trainer_overlap.summary"),
     Benchmark("kernels"),
 )

@@ -153,8 +153,8 @@ def test_no_python_modules_import_each_other():
 
 
 # What the benchmarks share besides the harness: the graphs engine_overhead and trace_overhead time, the MoE
-# libraries' all_to_all moe_sync and microbatch_overlap run.
-SHARED_BENCHMARK_MODULES = {"benchmarks", "benchmarks.graphs", "benchmarks.moe_libraries"}
+# libraries' all_to_all moe_sync, microbatch_overlap and trainer_overlap run, and the MoE layer the last two run.
+SHARED_BENCHMARK_MODULES = {"benchmarks", "benchmarks.graphs", "benchmarks.moe_libraries", "benchmarks.moe_layer"}
 
 
 def test_the_harness_is_below_the_benchmarks():

@@ -1,5 +1,5 @@
-"""microbatch_overlap's models, one microbatch's forward each: pre-path's MoE layer, and dispatch-first's blocks
-(.shapes declares the shapes that build them)."""
+"""microbatch_overlap's models, one microbatch's forward each: pre-path's MoE layer (benchmarks/moe_layer.py, which
+trainer_overlap runs too), and dispatch-first's blocks (.shapes declares the shapes that build them)."""
 
 from __future__ import annotations
 
@@ -9,38 +9,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..moe_layer import MoELayer, dense, moe_layer
 from ..moe_libraries import no_all_to_all
 from . import DIM, DISPATCH_FIRST_BLOCKS, N_MICROBATCHES
 
 
 def _dense(layers: int) -> nn.Sequential:
-    return nn.Sequential(*[nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU()) for _ in range(layers)])
-
-
-class MoELayer(nn.Module):
-    """pre-path's model, one microbatch's layer: the pre-path (a projection, then ``pre_layers`` dense layers),
-    dispatch, expert, combine, and ``post_layers`` dense layers from the pre-path's output after it. With no dense
-    layer, the all_to_alls have nothing to hide behind (T_comm's calibration)."""
-
-    def __init__(self, all_to_all: Callable, pre_layers: int, post_layers: int) -> None:
-        super().__init__()
-        self.all_to_all = all_to_all
-        # The projection makes the dispatched tokens need a gradient: the dispatch's backward all_to_all runs.
-        self.pre = nn.Sequential(nn.Linear(DIM, DIM), _dense(pre_layers))
-        self.expert = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
-        self.gate = nn.Linear(DIM, 1)
-        self.head = nn.Linear(DIM, 1)
-        self.post = _dense(post_layers)
-
-    def forward(self, tokens: torch.Tensor, communicate: bool = True) -> torch.Tensor:
-        all_to_all = self.all_to_all if communicate else no_all_to_all
-        group = dist.group.WORLD
-        hidden = self.pre(tokens)
-        returned = all_to_all(group, self.expert(all_to_all(group, hidden)))
-        loss = self.head(returned * torch.sigmoid(self.gate(hidden))).sum()
-        if self.post:
-            loss = loss + self.post(hidden).sum()
-        return loss / N_MICROBATCHES
+    return dense(DIM, layers)
 
 
 class DispatchFirstBlock(nn.Module):
@@ -90,5 +65,4 @@ class DispatchFirstModel(nn.Module):
 
 
 def pre_path_model(all_to_all: Callable, dense_layers: int) -> MoELayer:
-    pre_layers = dense_layers // 2
-    return MoELayer(all_to_all, pre_layers, dense_layers - pre_layers)
+    return moe_layer(all_to_all, DIM, dense_layers, N_MICROBATCHES)
