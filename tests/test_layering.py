@@ -42,7 +42,45 @@ def test_only_bindings_include_python():
         for path, line, header in includes(folder)
         if PYTHON_HEADER.search(header)
     ]
-    assert not found, "reach Python through HostCallbacks (engine/host_callbacks.h) instead:\n" + "\n".join(found)
+    assert not found, "reach Python through the host (engine/host_interface.h) instead:\n" + "\n".join(found)
+
+
+def source_lines(folder: str) -> list[tuple[str, int, str]]:
+    """(file, line number, line) of every line of the C++ in csrc/``folder``."""
+    return [
+        (str(path.relative_to(CSRC)), number, line)
+        for path in sorted((CSRC / folder).rglob("*"))
+        if path.suffix in {".h", ".cpp"}
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+    ]
+
+
+# A Python module imported from C++: CPython's calls and pybind11's.
+IMPORTS_A_MODULE = re.compile(r"\bPyImport_\w+|\bmodule_?::import\b")
+# A Python object at namespace scope (a declaration that starts a line, unlike a function's locals), or a static
+# one anywhere: a global.
+PYTHON_GLOBAL = re.compile(
+    r"^(?:(?:static\s+|inline\s+)*|\s*static\s+)(?:PyObject\s*\*|THPObjectPtr|(?:pybind11|py)::object)\s*\w+\s*[=;{]"
+)
+
+
+def test_cpp_reaches_python_only_through_its_host():
+    """One way from C++ to Python: the host torch_ext's import installs (bindings/python_host.h), which holds the
+    Python objects it calls. No C++ imports a Python module by name; no Python object is a global of bindings/."""
+    imports = [
+        f"{path}:{number}: {line.strip()}" for path, number, line in source_lines("") if IMPORTS_A_MODULE.search(line)
+    ]
+    assert not imports, "hand the host the function instead (torch_ext/_host.py):\n" + "\n".join(imports)
+    found = [f"{path}:{number}: {line}" for path, number, line in source_lines("bindings") if PYTHON_GLOBAL.match(line)]
+    assert not found, "make it a member of PythonHost (bindings/python_host.h):\n" + "\n".join(found)
+    # The checks see what they look for.
+    assert IMPORTS_A_MODULE.search('PyImport_ImportModule("torch_ext.collectives.twin_groups")')
+    assert PYTHON_GLOBAL.match("PyObject* role_decider = nullptr;") and PYTHON_GLOBAL.match(
+        "static THPObjectPtr twins;"
+    )
+    assert PYTHON_GLOBAL.match("  static PyObject* twins = nullptr;")
+    assert not PYTHON_GLOBAL.match("PyObject* py_install_host(PyObject* module, PyObject* args) {")
+    assert not PYTHON_GLOBAL.match("  PyObject* checker = nullptr;")
 
 
 def test_no_layer_includes_one_above_it():

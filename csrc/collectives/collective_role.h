@@ -16,8 +16,8 @@
 // (torch_ext.run_in_lane): the engine hands its apply() to the lane of its
 // process group (collective_lane.h) and goes on with the other ready nodes.
 //
-// Which role a node has is the host's answer (HostCallbacks::collective_role
-// in engine/host_callbacks.h): decided once per node class and cached by the
+// Which role a node has is the host's answer (Host::collective_role in
+// engine/host_interface.h): decided once per node class and cached by the
 // Python bindings (bindings/python_collectives.cpp). torch_ext._C exports
 // these values (collective_roles, collective_priority); Python reads them
 // there rather than restating them.

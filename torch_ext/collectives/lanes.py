@@ -228,5 +228,3 @@ def _fsdp_newly_imported() -> bool:
 
 _recheck_after(torch.nn.parallel.DistributedDataParallel, "__init__")
 _recheck_after(torch.nn.parallel.DistributedDataParallel, "register_comm_hook")
-
-_C.set_lane_group_resolver(_lane_group)

@@ -124,8 +124,6 @@ def _builtin_role(node_class: type) -> int:
     return _KNOWN_FUNCTIONS.get((function.__module__, function.__qualname__), _NONE)
 
 
-_C.set_collective_role_decider(_builtin_role)
-
 FunctionClasses = type | Iterable[type]
 
 

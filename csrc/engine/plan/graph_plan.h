@@ -111,7 +111,7 @@ struct CollectiveFlags {
   bool collective_wait = false;
   bool operator==(const CollectiveFlags&) const = default;
 };
-// Asks the host for `fn`'s role (HostCallbacks::collective_role) and, for a
+// Asks the host for `fn`'s role (Host::collective_role) and, for a
 // launch, whether it defers its wait (graph_discovery.cpp).
 CollectiveFlags collective_flags_of(const Node& fn);
 
