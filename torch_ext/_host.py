@@ -44,7 +44,7 @@ def _install() -> None:
     with torch.enable_grad():
         probe = _PythonNodeProbe.apply(torch.zeros((), requires_grad=True))
     _C.install_host(
-        node_class_role=roles._builtin_role,
+        node_class_kind=roles._builtin_kind,
         lane_group=lanes._lane_group,
         twin_group_name=_twin_group_name,
         python_node=probe.grad_fn,

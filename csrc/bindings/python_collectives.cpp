@@ -17,16 +17,15 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <string_view>
 #include <typeinfo>
 #include <unordered_map>
 #include <vector>
 
 namespace torch_ext {
 
-CollectiveRole PythonHost::remember_role(
+CollectiveKind PythonHost::remember_kind(
     PyTypeObject* node_class,
-    CollectiveRole role,
+    CollectiveKind kind,
     bool overwrite) {
   // Made before the cache is locked: allocating may collect garbage and so
   // run finalizers, including forget_dead_class, which locks it.
@@ -37,13 +36,13 @@ CollectiveRole PythonHost::remember_role(
     throw python_error();
   }
   const RoleCache::Stored stored =
-      role_cache_.store(node_class, role, overwrite, weakref.get());
+      role_cache_.store(node_class, kind, overwrite, weakref.get());
   if (stored.token_kept) {
     // The cache's now; dropped by forget_dead_class. Otherwise `weakref` is
     // released here, outside the cache's lock.
     weakref.release();
   }
-  return stored.role;
+  return stored.kind;
 }
 
 void PythonHost::forget_dead_class(PyObject* weakref) {
@@ -54,12 +53,12 @@ void PythonHost::forget_dead_class(PyObject* weakref) {
 
 namespace {
 
-CollectiveRole role_from_int(long value) {
+CollectiveKind kind_from_python(long role, int defers_wait) {
   TORCH_CHECK(
-      value >= 0 && value <= static_cast<long>(CollectiveRole::kLane),
+      role >= 0 && role <= static_cast<long>(CollectiveRole::kLane),
       "a collective role is 0 (none), 1 (launch), 2 (wait) or 3 (lane), got ",
-      value);
-  return static_cast<CollectiveRole>(value);
+      role);
+  return {static_cast<CollectiveRole>(role), defers_wait != 0};
 }
 
 PyTypeObject* checked_node_class(PyObject* obj) {
@@ -78,12 +77,13 @@ PyObject* py_set_collective_role(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* node_class = nullptr;
   long role = 0;
-  if (!PyArg_ParseTuple(args, "Ol", &node_class, &role)) {
+  int defers_wait = 0;
+  if (!PyArg_ParseTuple(args, "Olp", &node_class, &role, &defers_wait)) {
     return nullptr;
   }
-  python_host().remember_role(
+  python_host().remember_kind(
       checked_node_class(node_class),
-      role_from_int(role),
+      kind_from_python(role, defers_wait),
       /*overwrite=*/true);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
@@ -92,54 +92,48 @@ PyObject* py_set_collective_role(PyObject* /*module*/, PyObject* args) {
 } // namespace
 
 // The slow path: `node_class` is not in the cache.
-CollectiveRole PythonHost::decide_role(PyTypeObject* node_class) {
+CollectiveKind PythonHost::decide_kind(PyTypeObject* node_class) {
   pybind11::gil_scoped_acquire gil;
   // Another thread may have decided, or registered, it while this one waited.
-  if (auto role = role_cache_.find(node_class)) {
-    return *role;
+  if (auto kind = role_cache_.find(node_class)) {
+    return *kind;
   }
   THPObjectPtr decided(PyObject_CallOneArg(
-      answers_.node_class_role.get(),
+      answers_.node_class_kind.get(),
       reinterpret_cast<PyObject*>(node_class)));
   if (!decided) {
     throw python_error();
   }
-  const long value = PyLong_AsLong(decided.get());
-  if (value == -1 && PyErr_Occurred()) {
+  long role = 0;
+  int defers_wait = 0;
+  if (!PyArg_ParseTuple(decided.get(), "lp", &role, &defers_wait)) {
     throw python_error();
   }
   // Not overwriting: a registration made while the decider ran wins.
-  return remember_role(node_class, role_from_int(value), /*overwrite=*/false);
+  return remember_kind(
+      node_class,
+      kind_from_python(role, defers_wait),
+      /*overwrite=*/false);
 }
 
-CollectiveRole PythonHost::role_of_class(PyTypeObject* node_class) {
-  if (auto role = role_cache_.find(node_class)) {
-    return *role;
+CollectiveKind PythonHost::kind_of_class(PyTypeObject* node_class) {
+  if (auto kind = role_cache_.find(node_class)) {
+    return *kind;
   }
-  return decide_role(node_class);
+  return decide_kind(node_class);
 }
 
-CollectiveRole PythonHost::collective_role(const Node& fn) {
+CollectiveKind PythonHost::collective_kind(const Node& fn) {
   if (!is_python_node(fn)) {
-    return CollectiveRole::kNone;
+    return {};
   }
   // Read without the GIL: a PyNode's Python object (its THPFunction) lives
   // as long as the node, and so does its class.
   PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
   if (obj == nullptr) {
-    return CollectiveRole::kNone;
+    return {};
   }
-  return role_of_class(Py_TYPE(obj));
-}
-
-bool PythonHost::defers_its_wait(const Node& fn) {
-  // Only discovery calls this, for a node it found to be a launch (a PyNode),
-  // once per launch node: a handful per call.
-  const PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
-  constexpr std::string_view kOwnOps = "GeneratedBackwardFor_torch_ext_";
-  return obj != nullptr &&
-      std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) ==
-      kOwnOps;
+  return kind_of_class(Py_TYPE(obj));
 }
 
 // Asks torch_ext.collectives.lanes with the GIL, which also refuses a group
@@ -385,8 +379,9 @@ PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
   HANDLE_TH_ERRORS
   if (PyType_Check(node_or_class)) {
     return PyLong_FromLong(
-        static_cast<long>(
-            python_host().role_of_class(checked_node_class(node_or_class))));
+        static_cast<long>(python_host()
+                              .kind_of_class(checked_node_class(node_or_class))
+                              .role));
   }
   TORCH_CHECK_TYPE(
       THPFunction_Check(node_or_class),
@@ -396,7 +391,7 @@ PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
   CollectiveRole role = CollectiveRole::kNone;
   if (node) {
     pybind11::gil_scoped_release no_gil; // as discovery calls it
-    role = python_host().collective_role(*node);
+    role = python_host().collective_kind(*node).role;
   }
   return PyLong_FromLong(static_cast<long>(role));
   END_HANDLE_TH_ERRORS
@@ -444,7 +439,7 @@ PyObject* py_auto_collective_priority(
 PyObject* py_is_collective_node(PyObject* /*module*/, PyObject* node) {
   HANDLE_TH_ERRORS
   return PyBool_FromLong(
-      is_launch(python_host().collective_role(*checked_node_of(node))));
+      is_launch(python_host().collective_kind(*checked_node_of(node)).role));
   END_HANDLE_TH_ERRORS
 }
 
@@ -452,8 +447,9 @@ PyMethodDef collective_methods[] = {
     {"set_collective_role",
      py_set_collective_role,
      METH_VARARGS,
-     "set_collective_role(node_class, role): 0 none, 1 launch, 2 wait; wins over "
-     "the built-in rules."},
+     "set_collective_role(node_class, role, defers_wait): role 0 none, 1 "
+     "launch, 2 wait, 3 lane, and whether the node hands its result over in "
+     "flight; wins over the built-in rules."},
     {"collective_role",
      py_collective_role,
      METH_O,

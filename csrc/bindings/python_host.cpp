@@ -36,15 +36,15 @@ THPObjectPtr checked_callable(PyObject* obj, const char* what) {
   return THPObjectPtr(Py_NewRef(obj));
 }
 
-// install_host(*, node_class_role, lane_group, twin_group_name, python_node)
+// install_host(*, node_class_kind, lane_group, twin_group_name, python_node)
 PyObject* py_install_host(PyObject* module, PyObject* args, PyObject* kwargs) {
   HANDLE_TH_ERRORS
-  PyObject* node_class_role = nullptr;
+  PyObject* node_class_kind = nullptr;
   PyObject* lane_group = nullptr;
   PyObject* twin_group_name = nullptr;
   PyObject* python_node = nullptr;
   constexpr const char* accepted_kwargs[] = {
-      "node_class_role",
+      "node_class_kind",
       "lane_group",
       "twin_group_name",
       "python_node",
@@ -54,7 +54,7 @@ PyObject* py_install_host(PyObject* module, PyObject* args, PyObject* kwargs) {
           kwargs,
           "$OOOO",
           const_cast<char**>(accepted_kwargs),
-          &node_class_role,
+          &node_class_kind,
           &lane_group,
           &twin_group_name,
           &python_node)) {
@@ -68,7 +68,7 @@ PyObject* py_install_host(PyObject* module, PyObject* args, PyObject* kwargs) {
           reinterpret_cast<THPFunction*>(python_node)->cdata,
       "torch_ext._C.install_host: python_node must be the live node of a Python autograd.Function");
   PythonHost::Answers answers{
-      checked_callable(node_class_role, "node_class_role"),
+      checked_callable(node_class_kind, "node_class_kind"),
       checked_callable(lane_group, "lane_group"),
       checked_callable(twin_group_name, "twin_group_name"),
       THPObjectPtr(PyObject_GetAttrString(module, "ForwardStoppedByBackward"))};
@@ -91,7 +91,7 @@ PyMethodDef host_methods[] = {
      reinterpret_cast<PyCFunction>(
          reinterpret_cast<void (*)()>(py_install_host)),
      METH_VARARGS | METH_KEYWORDS,
-     "install_host(*, node_class_role, lane_group, twin_group_name, "
+     "install_host(*, node_class_kind, lane_group, twin_group_name, "
      "python_node): makes torch_ext's host from Python's answers to the "
      "engine's questions and installs it; once, when torch_ext is imported "
      "(torch_ext/_host.py)."},

@@ -30,9 +30,10 @@ class PythonHost final : public Host {
   // What Python hands torch_ext._C.install_host (torch_ext/_host.py), each a
   // new reference.
   struct Answers {
-    // node class -> its role (an int of collective_roles), once per class
-    // not registered: torch_ext.collectives.roles' built-in rules.
-    THPObjectPtr node_class_role;
+    // node class -> (its role, an int of collective_roles; whether it defers
+    // its wait), once per class not registered: torch_ext.collectives.roles'
+    // built-in rules.
+    THPObjectPtr node_class_kind;
     // a lane node's ctx -> its process group: torch_ext.collectives.lanes.
     THPObjectPtr lane_group;
     // a group's registered name -> its twin's: torch_ext.collectives.
@@ -49,8 +50,7 @@ class PythonHost final : public Host {
   PythonHost(const PythonHost&) = delete;
   PythonHost& operator=(const PythonHost&) = delete;
 
-  CollectiveRole collective_role(const Node& fn) override;
-  bool defers_its_wait(const Node& fn) override;
+  CollectiveKind collective_kind(const Node& fn) override;
   uintptr_t lane_group_key(const Node& fn) override;
   bool collective_check_enabled() override;
   std::shared_ptr<CollectiveOrderCheck> begin_collective_check(
@@ -75,12 +75,12 @@ class PythonHost final : public Host {
   bool is_python_node(const Node& fn) const {
     return &typeid(fn) == &python_node_;
   }
-  // The role of a node class, deciding it if it is new.
-  CollectiveRole role_of_class(PyTypeObject* node_class);
-  // With the GIL. Records `node_class`'s role (see RoleCache::store).
-  CollectiveRole remember_role(
+  // The kind of a node class, deciding it if it is new.
+  CollectiveKind kind_of_class(PyTypeObject* node_class);
+  // With the GIL. Records `node_class`'s kind (see RoleCache::store).
+  CollectiveKind remember_kind(
       PyTypeObject* node_class,
-      CollectiveRole role,
+      CollectiveKind kind,
       bool overwrite);
   // With the GIL: the weak reference to a class the cache holds has died.
   void forget_dead_class(PyObject* weakref);
@@ -92,7 +92,7 @@ class PythonHost final : public Host {
   void set_collective_checker(PyObject* checker);
 
  private:
-  CollectiveRole decide_role(PyTypeObject* node_class);
+  CollectiveKind decide_kind(PyTypeObject* node_class);
 
   // Address comparison in is_python_node: the one type_info object of PyNode
   // lives in libtorch_python (this library cannot even name it), while
@@ -103,7 +103,7 @@ class PythonHost final : public Host {
   Answers answers_;
   // The weak references' callback (forget_dead_class).
   THPObjectPtr forget_callback_;
-  // Each node class's role (collectives/role_cache.h), keyed by its
+  // Each node class's kind (collectives/role_cache.h), keyed by its
   // PyTypeObject*, with a weak reference to the class as the entry's death
   // token.
   RoleCache role_cache_;

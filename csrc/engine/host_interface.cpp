@@ -9,11 +9,8 @@ namespace {
 // torch_ext's import installs its host.
 class ProcessWithoutHost final : public Host {
  public:
-  CollectiveRole collective_role(const Node&) override {
-    return CollectiveRole::kNone;
-  }
-  bool defers_its_wait(const Node&) override {
-    return false;
+  CollectiveKind collective_kind(const Node&) override {
+    return {};
   }
   uintptr_t lane_group_key(const Node&) override {
     return 0;

@@ -72,12 +72,10 @@ class Host {
  public:
   virtual ~Host() = default;
 
-  // The collective role of `fn`'s class (collective_role.h), decided once per
-  // class and cached: discovery asks for every node, without the GIL.
-  virtual CollectiveRole collective_role(const Node& fn) = 0;
-  // Whether the launch node `fn` hands its result to the engine in flight
-  // (BackwardCall::defer_wait_to_first_use): torch_ext's own collective ops.
-  virtual bool defers_its_wait(const Node& fn) = 0;
+  // What `fn`'s class is to the engine (collective_role.h): its role, and
+  // whether it hands its result over in flight. Decided once per class and
+  // cached: discovery asks for every node, without the GIL.
+  virtual CollectiveKind collective_kind(const Node& fn) = 0;
   // The process group whose lane runs the lane node `fn`, as an opaque key.
   // Throws for a group the host can see is unsafe (DDP reducing on it).
   virtual uintptr_t lane_group_key(const Node& fn) = 0;
