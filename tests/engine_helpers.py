@@ -24,6 +24,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 import torch_ext
 from torch_ext._loader import _C
+from torch_ext.collectives.roles import _declare_collective_op, _generated_function
 from torch_ext.testing import assert_identical, identity_difference
 
 SEED = 0
@@ -267,6 +268,40 @@ def recsys_like(seed=0, exchange=None, layers=3):
         dense = torch.relu(dense @ w)
     loss = (sparse * dense).sum()
     return loss, lookup, w_sparse, w_dense, [table, *w_sparse, *w_dense]
+
+
+# Collectives written as torch.library ops, as PyTorch's functional collectives and torch_ext's own are, stood in
+# for by ops of a test namespace that move no bytes (forward copies, backward passes the gradient on): one on a
+# tensor and one on a tensor list (torch.library wraps the Function it generates for a list op). The engine knows
+# such a node by the op its generated class was made for; these two are declared collectives as torch_ext's own ops
+# are (_declare_collective_op), and all_to_all_single, named like a collective, is not one.
+@torch.library.custom_op("torch_ext_test::exchange", mutates_args=())
+def exchange_op(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@torch.library.custom_op("torch_ext_test::exchange_list", mutates_args=())
+def exchange_list_op(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.clone() for x in xs]
+
+
+@torch.library.custom_op("torch_ext_test::all_to_all_single", mutates_args=())
+def not_a_collective_op(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+for _op in (exchange_op, not_a_collective_op):
+    _op.register_fake(torch.empty_like)
+    _op.register_autograd(lambda ctx, grad: grad)
+exchange_list_op.register_fake(lambda xs: [torch.empty_like(x) for x in xs])
+exchange_list_op.register_autograd(lambda ctx, grads: list(grads))
+for _op in (torch.ops.torch_ext_test.exchange.default, torch.ops.torch_ext_test.exchange_list.default):
+    _declare_collective_op(_op, defers_wait=False)
+
+
+def generated_node_class(op: torch._ops.OpOverload) -> type:
+    """The backward node class torch.library generated for ``op``'s autograd formula."""
+    return _generated_function(op, "test")._backward_cls
 
 
 # Random programs: hypothesis draws a small graph, test_engine_fuzz and test_bit_stability run it on both engines.

@@ -5,13 +5,14 @@ registry and the order the engine gives the nodes; tests/distributed/test_torchr
 """
 
 import gc
+import importlib
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from engine_helpers import graph_nodes, recsys_like
+from engine_helpers import generated_node_class, graph_nodes, recsys_like
 from torch.autograd.function import BackwardCFunction
 
 import torch_ext
@@ -34,30 +35,52 @@ def _req_wait_pair():
     return _identity_function("Req"), _identity_function("Wait")
 
 
-def _generated_node_class(op: str) -> type:
-    """A node class named as torch.library.register_autograd names those of `op` ("namespace_op_overload")."""
-    return type(f"GeneratedBackwardFor_{op}Backward", (BackwardCFunction,), {})
+# Where each namespace's autograd formulas are registered.
+_REGISTERED_BY = {
+    "torch_ext": "torch_ext.ops",
+    "_c10d_functional": "torch.distributed._functional_collectives",
+    "_c10d_functional_autograd": "torch.distributed._functional_collectives",
+    "torchrec": "torchrec.distributed.comm_ops",
+    "torch_ext_test": "engine_helpers",
+}
 
 
 @pytest.mark.parametrize(
     "op, role",
     [
-        ("torch_ext_all_to_all_single_default", "launch"),
-        ("torch_ext_all_reduce_coalesced_default", "launch"),
-        ("torch_ext_reduce_scatter_tensor_default", "launch"),
-        ("torch_ext_all_gather_into_tensor_default", "launch"),
-        ("torch_ext_sum_default", None),
-        ("_c10d_functional_all_to_all_single_default", "launch"),
-        ("_c10d_functional_autograd_reduce_scatter_tensor_default", "launch"),
-        ("_c10d_functional_wait_tensor_default", None),
-        ("_c10d_functional__wrap_tensor_autograd_default", None),
-        ("torchrec_reduce_scatter_tensor_default", "launch"),
-        ("torchrec__split_1d_cat_2d_default", None),
-        ("mylib_all_to_all_single_default", None),
+        ("torch_ext::all_to_all_single", "launch"),
+        ("torch_ext::all_reduce", "launch"),
+        ("torch_ext::all_reduce_coalesced", "launch"),  # a list op: its Function is wrapped
+        ("torch_ext::reduce_scatter_tensor", "launch"),
+        ("torch_ext::all_gather_into_tensor", "launch"),
+        ("_c10d_functional::all_to_all_single", "launch"),
+        ("_c10d_functional::all_reduce_coalesced", "launch"),
+        ("_c10d_functional_autograd::reduce_scatter_tensor", "launch"),
+        ("_c10d_functional::wait_tensor", None),
+        ("_c10d_functional::_wrap_tensor_autograd", None),
+        ("torchrec::reduce_scatter_tensor", "launch"),
+        ("torchrec::_split_1d_cat_2d", None),
+        ("torch_ext_test::all_to_all_single", None),  # named like a collective: the name says nothing
     ],
 )
 def test_builtin_role_of_a_generated_op_class(op, role):
-    assert torch_ext.collective_role(_generated_node_class(op)) == role
+    """The class torch.library generated for each op's formula, known by the op its forward holds."""
+    namespace, name = op.split("::")
+    if namespace == "torchrec":
+        pytest.importorskip(_REGISTERED_BY[namespace], reason="TorchRec is not installed")
+    importlib.import_module(_REGISTERED_BY[namespace])
+    overload = getattr(getattr(torch.ops, namespace), name).default
+    assert torch_ext.collective_role(generated_node_class(overload)) == role
+
+
+def test_a_class_named_as_generated_is_no_collective():
+    """Only the class torch.library made for a collective's op is one, not another with its name."""
+    import torch.distributed._functional_collectives  # registers the formulas
+
+    real = generated_node_class(torch.ops._c10d_functional.all_to_all_single.default)
+    impostor = type(real.__name__, (BackwardCFunction,), {"_forward_cls": type(real._forward_cls.__name__, (), {})})
+    assert torch_ext.collective_role(real) == "launch"
+    assert torch_ext.collective_role(impostor) is None
 
 
 def test_torchrec_comm_ops_roles():
@@ -86,8 +109,8 @@ def test_torchrec_comm_ops_roles():
     "module", ["megatron.core.tensor_parallel.mappings", "deepspeed.moe.sharded_moe", "my_library.moe"]
 )
 def test_a_synchronous_all_to_all_keeps_stock_order_until_declared_to_a_lane(module):
-    # A stand-in with the library's module and name: the rule reads nothing else of the class. Megatron's and
-    # DeepSpeed's block in their node, so priority alone would gain nothing: no built-in role.
+    # A stand-in with the library's module and name (which no rule reads). Megatron's and DeepSpeed's block in their
+    # node, so priority alone would gain nothing: no built-in role.
     _AllToAll = type("_AllToAll", (torch.autograd.Function,), {"__module__": module})
     assert torch_ext.collective_role(_AllToAll) is None
     torch_ext.run_in_lane(_AllToAll)
@@ -126,9 +149,13 @@ def test_registration_replaces_and_unregister_overrides_builtin():
     assert (torch_ext.collective_role(Req), torch_ext.collective_role(Wait)) == ("wait", "launch")
     torch_ext.unregister_collective_backward(Req, Wait)
     assert (torch_ext.collective_role(Req), torch_ext.collective_role(Wait)) == (None, None)
-    builtin = _generated_node_class("torch_ext_all_to_all_single_default")
-    torch_ext.unregister_collective_backward(builtin)
-    assert torch_ext.collective_role(builtin) is None
+    declared = generated_node_class(torch.ops.torch_ext_test.exchange.default)
+    assert torch_ext.collective_role(declared) == "launch"
+    torch_ext.unregister_collective_backward(declared)
+    assert torch_ext.collective_role(declared) is None
+    # An op's class is given back its built-in role.
+    torch_ext.unregister_collective_backward(torch.ops.torch_ext_test.exchange)
+    assert torch_ext.collective_role(declared) == "launch"
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,113 @@ def test_only_bindings_include_python():
         for path, line, header in includes(folder)
         if PYTHON_HEADER.search(header)
     ]
-    assert not found, "reach Python through HostCallbacks (engine/host_callbacks.h) instead:\n" + "\n".join(found)
+    assert not found, "reach Python through the host (engine/host_interface.h) instead:\n" + "\n".join(found)
+
+
+def source_lines(folder: str) -> list[tuple[str, int, str]]:
+    """(file, line number, line) of every line of the C++ in csrc/``folder``."""
+    return [
+        (str(path.relative_to(CSRC)), number, line)
+        for path in sorted((CSRC / folder).rglob("*"))
+        if path.suffix in {".h", ".cpp"}
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+    ]
+
+
+# A Python module imported from C++: CPython's calls and pybind11's.
+IMPORTS_A_MODULE = re.compile(r"\bPyImport_\w+|\bmodule_?::import\b")
+# A Python object at namespace scope (a declaration that starts a line, unlike a function's locals), or a static
+# one anywhere: a global.
+PYTHON_GLOBAL = re.compile(
+    r"^(?:(?:static\s+|inline\s+)*|\s*static\s+)(?:PyObject\s*\*|THPObjectPtr|(?:pybind11|py)::object)\s*\w+\s*[=;{]"
+)
+
+
+def test_cpp_reaches_python_only_through_its_host():
+    """One way from C++ to Python: the host torch_ext's import installs (bindings/python_host.h), which holds the
+    Python objects it calls. No C++ imports a Python module by name; no Python object is a global of bindings/."""
+    imports = [
+        f"{path}:{number}: {line.strip()}" for path, number, line in source_lines("") if IMPORTS_A_MODULE.search(line)
+    ]
+    assert not imports, "hand the host the function instead (torch_ext/_host.py):\n" + "\n".join(imports)
+    found = [f"{path}:{number}: {line}" for path, number, line in source_lines("bindings") if PYTHON_GLOBAL.match(line)]
+    assert not found, "make it a member of PythonHost (bindings/python_host.h):\n" + "\n".join(found)
+    # The checks see what they look for.
+    assert IMPORTS_A_MODULE.search('PyImport_ImportModule("torch_ext.collectives.twin_groups")')
+    assert PYTHON_GLOBAL.match("PyObject* role_decider = nullptr;") and PYTHON_GLOBAL.match(
+        "static THPObjectPtr twins;"
+    )
+    assert PYTHON_GLOBAL.match("  static PyObject* twins = nullptr;")
+    assert not PYTHON_GLOBAL.match("PyObject* py_install_host(PyObject* module, PyObject* args) {")
+    assert not PYTHON_GLOBAL.match("  PyObject* checker = nullptr;")
+
+
+# A class's name in the C++: a Python type's tp_name, a C++ type's typeid(...).name().
+CLASS_NAME = r"(?:tp_name|typeid\([^()]*\)\.name\(\))"
+# ... compared or matched on one line (an error message only names it).
+MATCHES_A_CLASS_NAME = re.compile(
+    rf"{CLASS_NAME}.*(?:==|!=|\.substr|\.compare|\.starts_with|\.find\(|strcmp)|(?:==|!=|strcmp\(|strncmp\().*{CLASS_NAME}"
+)
+# The names of a Python class (or of a node, name()), which torch_ext's Python may print but not match.
+NAME_ATTRIBUTES = {"__name__", "__qualname__", "__module__"}
+STRING_MATCHES = {"startswith", "endswith", "removeprefix", "removesuffix", "get", "__contains__"}
+
+
+def _is_a_name(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr in NAME_ATTRIBUTES and isinstance(node.ctx, ast.Load)) or (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "name"
+    )
+
+
+def _names_a_class(node: ast.AST) -> bool:
+    return any(_is_a_name(part) for part in ast.walk(node))
+
+
+def class_name_matches(source: str) -> list[int]:
+    """Lines of ``source`` that recognise a class (or node) by its name: the name compared, matched as a string,
+    used as a key, or kept in a variable to be."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            suspects = [node]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in STRING_MATCHES:
+            suspects = [node.func.value, *node.args]
+        elif isinstance(node, ast.Subscript):
+            suspects = [node.slice]
+        elif isinstance(node, ast.Assign):
+            suspects = [node.value] if _is_a_name(node.value) else []
+        else:
+            suspects = []
+        if any(_names_a_class(suspect) for suspect in suspects):
+            found.append(node.lineno)
+    return found
+
+
+def test_no_class_is_recognised_by_its_name():
+    """Classes are known by identity or a registry (a generated Function by the op its forward holds, TorchRec's
+    Functions as the module's objects, AccumulateGrad by its type), never by matching a name: in the C++ and in
+    torch_ext's Python."""
+    cpp = [
+        f"{path}:{number}: {line.strip()}"
+        for path, number, line in source_lines("")
+        if MATCHES_A_CLASS_NAME.search(line)
+    ]
+    python = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "torch_ext").rglob("*.py"))
+        for number in class_name_matches(path.read_text())
+    ]
+    assert not cpp + python, "\n".join(cpp + python)
+    # The checks see what they look for: the ways torch_ext once matched names.
+    assert MATCHES_A_CLASS_NAME.search("std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) ==")
+    assert MATCHES_A_CLASS_NAME.search('std::string_view(typeid(example).name()) == "N5torch8autograd6PyNodeE",')
+    assert not MATCHES_A_CLASS_NAME.search('"expected a class, got ", Py_TYPE(obj)->tp_name);')
+    assert class_name_matches("name = node_class.__name__\nif name.startswith(PREFIX): pass") == [1]
+    assert class_name_matches("KNOWN.get((f.__module__, f.__qualname__), NONE)") == [1]
+    assert class_name_matches("[o for o in objects if o.__name__ == name]") == [1]
+    assert class_name_matches("if node.name() == ACCUMULATE_GRAD: pass") == [1]
+    assert class_name_matches('raise TypeError(f"got {type(x).__name__}")\nf.__module__ = __name__') == []
+    assert class_name_matches('names = ", ".join(sorted(c.__qualname__ for c in both))') == []
 
 
 def test_no_layer_includes_one_above_it():

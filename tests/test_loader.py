@@ -190,7 +190,8 @@ def test_current_node_switch_reaches_the_engine(monkeypatch, value, forced_off):
 
 @pytest.mark.slow
 def test_import_refuses_a_bad_collective_check_switch():
-    # Read by torch_ext.collectives.order_check, which once took any value but "" and "0" for on.
+    # Applied by torch_ext/_host.py; read by torch_ext.collectives.order_check once, which took any value but ""
+    # and "0" for on.
     result = subprocess.run(
         [sys.executable, "-c", "import torch_ext"],
         env={**os.environ, "TORCH_EXT_CHECK_COLLECTIVES": "maybe"},
@@ -203,3 +204,16 @@ def test_import_refuses_a_bad_collective_check_switch():
     assert (
         "ValueError: TORCH_EXT_CHECK_COLLECTIVES must be one of ('on', 'off', '1', '0'), got 'maybe'" in result.stderr
     )
+
+
+def test_the_import_installed_the_host_once():
+    """The engine reaches Python through one host, which torch_ext's import installed (torch_ext/_host.py); another
+    cannot replace it."""
+    assert torch_ext._C._collective_role_cache_size() >= 0  # raises without a host
+    with pytest.raises(RuntimeError, match="torch_ext's host is installed once, when torch_ext is imported"):
+        torch_ext._C.install_host(
+            node_class_kind=lambda node_class: (0, False),
+            lane_group=lambda ctx: None,
+            twin_group_name=str,
+            python_node=torch_ext._host._PythonNodeProbe.apply(torch.zeros((), requires_grad=True)).grad_fn,
+        )

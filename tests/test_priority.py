@@ -232,10 +232,8 @@ def test_bad_input_raises_clear_errors(call, error, message):
         call()
 
 
-def _named_function(class_name):
-    """A pass-through autograd.Function whose node class is ``class_name + "Backward"``: the way
-    torch.library.register_autograd names the Function of an op (``GeneratedBackwardFor_{ns}_{op}_{overload}``),
-    so the engine takes a matching name for a collective's node."""
+def _identity_function(name):
+    """A pass-through autograd.Function of its own (not an op's): never a collective by itself."""
 
     def forward(ctx, x):
         return x.clone()
@@ -244,35 +242,31 @@ def _named_function(class_name):
         return grad
 
     return type(
-        class_name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+        name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)}
     )
 
 
 @pytest.mark.parametrize(
-    "class_name, is_collective",
+    "make, is_collective",
     [
-        ("GeneratedBackwardFor__c10d_functional_all_to_all_single_default", True),
-        ("GeneratedBackwardFor__c10d_functional_autograd_all_gather_into_tensor_default", True),
-        ("GeneratedBackwardFor_torch_ext_reduce_scatter_tensor_default", True),
-        ("GeneratedBackwardFor__c10d_functional_wait_tensor_default", False),
-        ("GeneratedBackwardFor__c10d_functional__wrap_tensor_autograd_default", False),
-        ("GeneratedBackwardFor_torch_ext_backward_default", False),
-        ("GeneratedBackwardFor_mylib_all_to_all_single_default", False),
-        ("AllToAll", False),
+        # Ops of torch.library (engine_helpers) whose formulas torch.library wraps in Functions it generates: the
+        # engine knows a node by the op its class was made for.
+        pytest.param(lambda x: torch.ops.torch_ext_test.exchange(x), True, id="declared-op"),
+        pytest.param(lambda x: torch.ops.torch_ext_test.exchange_list([x])[0], True, id="declared-list-op"),
+        pytest.param(lambda x: torch.ops.torch_ext_test.all_to_all_single(x), False, id="undeclared-op"),
+        pytest.param(lambda x: _identity_function("AllToAll").apply(x), False, id="function"),
     ],
 )
-def test_collective_nodes_are_recognised_by_their_generated_class(class_name, is_collective):
-    node = _named_function(class_name).apply(torch.ones(2, requires_grad=True)).grad_fn
+def test_collective_nodes_are_recognised_by_their_op(make, is_collective):
+    node = make(torch.ones(2, requires_grad=True)).grad_fn
     assert torch_ext._C.is_collective_node(node) is is_collective
     # C++ nodes never are.
     assert not torch_ext._C.is_collective_node((torch.ones(2, requires_grad=True) * 2).grad_fn)
 
 
 def test_collectives_get_a_propagated_priority_unless_switched_off():
-    collective = _named_function("GeneratedBackwardFor__c10d_functional_all_to_all_single_default")
-
     def run(on_torch_ext):
-        loss, exchanged, _, _, leaves = recsys_like(exchange=collective.apply)
+        loss, exchanged, _, _, leaves = recsys_like(exchange=torch.ops.torch_ext_test.exchange)
         dense = loss.grad_fn.next_functions[0][0].next_functions[1][0]  # Sum <- Mul(sparse, dense)
         order = []
         exchanged.grad_fn.register_prehook(lambda grads: order.append("collective"))

@@ -32,6 +32,9 @@ def _import_checkout_triton_kernels() -> None:
 _import_checkout_triton_kernels()
 del _import_checkout_triton_kernels
 
+# First: installs the engine's host, Python's answers to its questions, before anything can run a backward.
+from torch_ext import _host  # noqa: F401, I001 - imported for its installation
+
 from torch_ext import (
     debug,
     verify,  # the module, callable: torch_ext.verify(step) is torch_ext.verify.verify(step)

@@ -20,22 +20,6 @@ from torch.autograd.graph import GradientEdge, Node
 from torch_ext._api import Undo
 from torch_ext._loader import _C
 
-
-class _PythonNodeProbe(torch.autograd.Function):
-    """Its node shows the engine what a Python Function's node is (collectives' nodes are such)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-with torch.enable_grad():
-    _C.remember_python_node_type(_PythonNodeProbe.apply(torch.zeros((), requires_grad=True)).grad_fn)
-
 # The priority launch_first() gives: the largest a priority can be.
 LAUNCH_FIRST = 2**63 - 1
 _MIN_PRIORITY = -(2**63)

@@ -7,10 +7,10 @@
 
 #include "bindings/python_collectives.h"
 #include "bindings/python_engine_info.h"
+#include "bindings/python_host.h"
 #include "bindings/python_overlap.h"
 #include "bindings/python_request.h"
 #include "bindings/python_split.h"
-#include "engine/host_callbacks.h"
 #include "engine/plan/plan_cache.h"
 #include "engine/plan/schedule_replay.h"
 #include "engine/run/running_node.h"
@@ -350,8 +350,10 @@ PyObject* py_defer_wait(PyObject* /*module*/, PyObject* tensor) {
   END_HANDLE_TH_ERRORS
 }
 
+} // namespace
+
 // Copies a node's forward stack (and parent chain) for anomaly mode's report.
-void copy_anomaly_metadata(Node& from, Node& to) {
+void PythonHost::copy_anomaly_metadata(Node& from, Node& to) {
   pybind11::gil_scoped_acquire gil;
   auto* source =
       static_cast<torch::autograd::PyAnomalyMetadata*>(from.metadata());
@@ -362,6 +364,8 @@ void copy_anomaly_metadata(Node& from, Node& to) {
     PyErr_Clear();
   }
 }
+
+namespace {
 
 PyMethodDef methods[] = {
     {"run_backward",
@@ -487,17 +491,12 @@ PyModuleDef module_def = {
 } // namespace torch_ext
 
 PyMODINIT_FUNC PyInit__C() {
-  // Python's answers to the engine's questions (engine/host_callbacks.h),
-  // before any backward can run.
-  torch_ext::HostCallbacks python;
-  torch_ext::fill_collective_callbacks(python);
-  torch_ext::fill_split_callbacks(python);
-  torch_ext::fill_overlap_callbacks(python);
-  python.copy_anomaly_metadata = torch_ext::copy_anomaly_metadata;
-  torch_ext::install_host_callbacks(python);
+  // The host, Python's answers to the engine's questions, is not made here:
+  // torch_ext's import installs it (install_host, torch_ext/_host.py).
   PyObject* module = PyModule_Create(&torch_ext::module_def);
   if (module != nullptr &&
-      (!torch_ext::init_split_bindings(module) ||
+      (!torch_ext::init_host_bindings(module) ||
+       !torch_ext::init_split_bindings(module) ||
        !torch_ext::init_engine_info_bindings(module) ||
        !torch_ext::init_collective_bindings(module) ||
        !torch_ext::init_overlap_bindings(module) ||

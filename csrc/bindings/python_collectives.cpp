@@ -1,12 +1,11 @@
 // The Python side of collectives: which node classes are collectives (the
-// role cache, the built-in rules' decider and explicit registrations), the
-// questions the engine asks torch_ext.collectives.lanes and
-// torch_ext.collectives.order_check (installed as HostCallbacks), and their
-// torch_ext._C bindings.
+// host's role cache, filled by the built-in rules and explicit
+// registrations), the host's questions to torch_ext.collectives.lanes and
+// torch_ext.collectives.order_check, and their torch_ext._C bindings.
 
 #include "bindings/python_collectives.h"
+#include "bindings/python_host.h"
 #include "bindings/python_request.h"
-#include "collectives/role_cache.h"
 #include "engine/collective_progress.h"
 
 #include <torch/csrc/Exceptions.h>
@@ -18,109 +17,49 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <string_view>
 #include <typeinfo>
 #include <unordered_map>
 #include <vector>
 
 namespace torch_ext {
-namespace {
 
-// PyNode's type_info. libtorch_python does not export it (typeid(PyNode)
-// fails to link), so torch_ext learns it from a live PyNode at import
-// (remember_python_node_type); until then no node has a role.
-std::atomic<const std::type_info*> python_node_type{nullptr};
-
-// Each node class's role (collectives/role_cache.h), keyed by its
-// PyTypeObject*, with a weak reference to the class as the entry's death
-// token. Never destroyed: weak reference callbacks and discovery on other
-// threads may run during interpreter shutdown.
-RoleCache& role_cache() {
-  static auto* cache = new RoleCache();
-  return *cache;
-}
-
-// torch_ext.collectives.roles' built-in rules, called with a node class seen
-// for the first time; returns its role as an int. Guarded by the GIL.
-PyObject* role_decider = nullptr;
-// The weak references' callback (forget_dead_class below).
-PyObject* forget_callback = nullptr;
-// torch_ext.collectives.lanes' resolver: a lane node's ctx -> its process
-// group. Guarded by the GIL.
-PyObject* lane_group_resolver = nullptr;
-// torch_ext.collectives.order_check's checker, or null when the check is off.
-// Written with the GIL; read without it by collective_check_enabled.
-PyObject* collective_checker = nullptr;
-std::atomic<bool> collective_check_on{false};
-
-// With the GIL. Records `node_class`'s role (see RoleCache::store).
-CollectiveRole remember_role(
+CollectiveKind PythonHost::remember_kind(
     PyTypeObject* node_class,
-    CollectiveRole role,
+    CollectiveKind kind,
     bool overwrite) {
   // Made before the cache is locked: allocating may collect garbage and so
   // run finalizers, including forget_dead_class, which locks it.
   THPObjectPtr weakref(PyWeakref_NewRef(
       reinterpret_cast<PyObject*>(node_class),
-      forget_callback));
+      forget_callback_.get()));
   if (!weakref) {
     throw python_error();
   }
   const RoleCache::Stored stored =
-      role_cache().store(node_class, role, overwrite, weakref.get());
+      role_cache_.store(node_class, kind, overwrite, weakref.get());
   if (stored.token_kept) {
     // The cache's now; dropped by forget_dead_class. Otherwise `weakref` is
     // released here, outside the cache's lock.
     weakref.release();
   }
-  return stored.role;
+  return stored.kind;
 }
 
-CollectiveRole role_from_int(long value) {
-  TORCH_CHECK(
-      value >= 0 && value <= static_cast<long>(CollectiveRole::kLane),
-      "a collective role is 0 (none), 1 (launch), 2 (wait) or 3 (lane), got ",
-      value);
-  return static_cast<CollectiveRole>(value);
-}
-
-// The slow path: `node_class` is not in the cache.
-CollectiveRole decide_role(PyTypeObject* node_class) {
-  pybind11::gil_scoped_acquire gil;
-  // Another thread may have decided, or registered, it while this one waited.
-  if (auto role = role_cache().find(node_class)) {
-    return *role;
-  }
-  if (role_decider == nullptr) {
-    // torch_ext.collectives.roles not imported yet: decide again next time.
-    return CollectiveRole::kNone;
-  }
-  THPObjectPtr decided(PyObject_CallOneArg(
-      role_decider,
-      reinterpret_cast<PyObject*>(node_class)));
-  if (!decided) {
-    throw python_error();
-  }
-  const long value = PyLong_AsLong(decided.get());
-  if (value == -1 && PyErr_Occurred()) {
-    throw python_error();
-  }
-  // Not overwriting: a registration made while the decider ran wins.
-  return remember_role(node_class, role_from_int(value), /*overwrite=*/false);
-}
-
-PyObject* forget_dead_class(PyObject* /*self*/, PyObject* weakref) {
-  if (role_cache().remove(weakref)) {
+void PythonHost::forget_dead_class(PyObject* weakref) {
+  if (role_cache_.remove(weakref)) {
     Py_DECREF(weakref);
   }
-  Py_RETURN_NONE;
 }
 
-PyMethodDef forget_dead_class_def = {
-    "_forget_dead_node_class",
-    forget_dead_class,
-    METH_O,
-    "Weak reference callback: a node class the collective role cache holds is dying."};
+namespace {
+
+CollectiveKind kind_from_python(long role, int defers_wait) {
+  TORCH_CHECK(
+      role >= 0 && role <= static_cast<long>(CollectiveRole::kLane),
+      "a collective role is 0 (none), 1 (launch), 2 (wait) or 3 (lane), got ",
+      role);
+  return {static_cast<CollectiveRole>(role), defers_wait != 0};
+}
 
 PyTypeObject* checked_node_class(PyObject* obj) {
   TORCH_CHECK_TYPE(
@@ -138,79 +77,72 @@ PyObject* py_set_collective_role(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* node_class = nullptr;
   long role = 0;
-  if (!PyArg_ParseTuple(args, "Ol", &node_class, &role)) {
+  int defers_wait = 0;
+  if (!PyArg_ParseTuple(args, "Olp", &node_class, &role, &defers_wait)) {
     return nullptr;
   }
-  remember_role(
+  python_host().remember_kind(
       checked_node_class(node_class),
-      role_from_int(role),
+      kind_from_python(role, defers_wait),
       /*overwrite=*/true);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* py_set_collective_role_decider(
-    PyObject* /*module*/,
-    PyObject* decider) {
-  HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(
-      PyCallable_Check(decider),
-      "the role decider must be callable");
-  Py_INCREF(decider);
-  Py_XSETREF(role_decider, decider);
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
+} // namespace
 
-// The role of a node class, deciding it if it is new.
-CollectiveRole role_of_class(PyTypeObject* node_class) {
-  if (auto role = role_cache().find(node_class)) {
-    return *role;
+// The slow path: `node_class` is not in the cache.
+CollectiveKind PythonHost::decide_kind(PyTypeObject* node_class) {
+  pybind11::gil_scoped_acquire gil;
+  // Another thread may have decided, or registered, it while this one waited.
+  if (auto kind = role_cache_.find(node_class)) {
+    return *kind;
   }
-  return decide_role(node_class);
+  THPObjectPtr decided(PyObject_CallOneArg(
+      answers_.node_class_kind.get(),
+      reinterpret_cast<PyObject*>(node_class)));
+  if (!decided) {
+    throw python_error();
+  }
+  long role = 0;
+  int defers_wait = 0;
+  if (!PyArg_ParseTuple(decided.get(), "lp", &role, &defers_wait)) {
+    throw python_error();
+  }
+  // Not overwriting: a registration made while the decider ran wins.
+  return remember_kind(
+      node_class,
+      kind_from_python(role, defers_wait),
+      /*overwrite=*/false);
 }
 
-// HostCallbacks::collective_role.
-CollectiveRole python_collective_role(const Node& fn) {
-  const std::type_info* python_node =
-      python_node_type.load(std::memory_order_relaxed);
-  // Address comparison: the one type_info object of PyNode lives in
-  // libtorch_python (this library cannot even name it), while
-  // type_info::operator== falls back to strcmp on the mangled names, which
-  // share their first 16 characters across torch's autograd nodes.
-  if (python_node == nullptr || &typeid(fn) != python_node) {
-    return CollectiveRole::kNone;
+CollectiveKind PythonHost::kind_of_class(PyTypeObject* node_class) {
+  if (auto kind = role_cache_.find(node_class)) {
+    return *kind;
+  }
+  return decide_kind(node_class);
+}
+
+CollectiveKind PythonHost::collective_kind(const Node& fn) {
+  if (!is_python_node(fn)) {
+    return {};
   }
   // Read without the GIL: a PyNode's Python object (its THPFunction) lives
   // as long as the node, and so does its class.
   PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
   if (obj == nullptr) {
-    return CollectiveRole::kNone;
+    return {};
   }
-  return role_of_class(Py_TYPE(obj));
+  return kind_of_class(Py_TYPE(obj));
 }
 
-// HostCallbacks::defers_its_wait.
-bool python_defers_its_wait(const Node& fn) {
-  // Only discovery calls this, for a node it found to be a launch (a PyNode),
-  // once per launch node: a handful per call.
-  const PyObject* obj = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
-  constexpr std::string_view kOwnOps = "GeneratedBackwardFor_torch_ext_";
-  return obj != nullptr &&
-      std::string_view(Py_TYPE(obj)->tp_name).substr(0, kOwnOps.size()) ==
-      kOwnOps;
-}
-
-// HostCallbacks::lane_group_key: asks torch_ext.collectives.lanes with the GIL,
-// which also refuses a group the engine can see is unsafe (DDP reducing on it).
-uintptr_t python_lane_group_key(const Node& fn) {
+// Asks torch_ext.collectives.lanes with the GIL, which also refuses a group
+// the engine can see is unsafe (DDP reducing on it).
+uintptr_t PythonHost::lane_group_key(const Node& fn) {
   pybind11::gil_scoped_acquire gil;
-  TORCH_INTERNAL_ASSERT(
-      lane_group_resolver != nullptr,
-      "torch_ext.collectives.lanes is not imported");
   PyObject* ctx = static_cast<const torch::autograd::PyNode&>(fn).pyobj();
   TORCH_INTERNAL_ASSERT(ctx != nullptr);
-  THPObjectPtr group(PyObject_CallOneArg(lane_group_resolver, ctx));
+  THPObjectPtr group(PyObject_CallOneArg(answers_.lane_group.get(), ctx));
   if (!group) {
     throw python_error();
   }
@@ -220,15 +152,16 @@ uintptr_t python_lane_group_key(const Node& fn) {
   return reinterpret_cast<uintptr_t>(group.get());
 }
 
-bool python_collective_check_enabled() {
-  return collective_check_on.load(std::memory_order_relaxed);
+bool PythonHost::collective_check_enabled() {
+  return collective_check_on_.load(std::memory_order_relaxed);
 }
+
+namespace {
 
 // The node as the checker names it: a Python Function's ctx (whose
 // ctx.group it reads), another node by its name(). With the GIL.
-PyObject* checked_node(const Node& fn) {
-  PyObject* ctx =
-      &typeid(fn) == python_node_type.load(std::memory_order_relaxed)
+PyObject* checked_node(const PythonHost& host, const Node& fn) {
+  PyObject* ctx = host.is_python_node(fn)
       ? static_cast<const torch::autograd::PyNode&>(fn).pyobj()
       : nullptr;
   return ctx != nullptr ? Py_NewRef(ctx)
@@ -348,12 +281,14 @@ class PythonOrderCheck final : public CollectiveOrderCheck {
   PyObject* pending_;
 };
 
-// HostCallbacks::begin_collective_check: checker.begin(collectives), each
-// (node, sequence_nr, expected gradients), in the order the call starts them.
-std::shared_ptr<CollectiveOrderCheck> python_begin_collective_check(
+} // namespace
+
+// checker.begin(collectives), each (node, sequence_nr, expected gradients),
+// in the order the call starts them.
+std::shared_ptr<CollectiveOrderCheck> PythonHost::begin_collective_check(
     const std::vector<CheckedCollective>& sequence) {
   pybind11::gil_scoped_acquire gil;
-  if (collective_checker == nullptr) {
+  if (!collective_checker_) {
     return nullptr; // switched off since the call started
   }
   THPObjectPtr collectives(
@@ -362,7 +297,7 @@ std::shared_ptr<CollectiveOrderCheck> python_begin_collective_check(
     throw python_error();
   }
   for (size_t i = 0; i < sequence.size(); ++i) {
-    THPObjectPtr node(checked_node(*sequence[i].fn));
+    THPObjectPtr node(checked_node(*this, *sequence[i].fn));
     THPObjectPtr gradients(
         node ? expected_gradients(*sequence[i].fn) : nullptr);
     PyObject* entry = gradients
@@ -379,28 +314,33 @@ std::shared_ptr<CollectiveOrderCheck> python_begin_collective_check(
   }
   // The exchange starts before any of the call's collectives, on every rank.
   const StartingPlannedCollective starting;
-  PyObject* pending =
-      PyObject_CallMethod(collective_checker, "begin", "O", collectives.get());
+  PyObject* pending = PyObject_CallMethod(
+      collective_checker_.get(),
+      "begin",
+      "O",
+      collectives.get());
   if (pending == nullptr) {
     throw python_error();
   }
   return std::make_shared<PythonOrderCheck>(
-      Py_NewRef(collective_checker),
+      Py_NewRef(collective_checker_.get()),
       pending);
 }
 
-// HostCallbacks::raise_if_interrupted. Python runs signal handlers on the
-// main thread only, so elsewhere this does nothing.
-void python_raise_if_interrupted() {
-  pybind11::gil_scoped_acquire gil;
-  if (PyErr_CheckSignals() != 0) {
-    throw python_error();
+void PythonHost::set_collective_checker(PyObject* checker) {
+  // Released last, as Py_XSETREF does: freeing it may run Python code.
+  const THPObjectPtr previous(collective_checker_.release());
+  if (checker == Py_None) {
+    collective_check_on_.store(false);
+  } else {
+    collective_checker_ = Py_NewRef(checker);
+    collective_check_on_.store(true);
   }
 }
 
-// HostCallbacks::name_collective_node_in_error: a note on a Python exception
-// (its type and message stay the node's own), context on a c10::Error.
-std::exception_ptr python_name_collective_node_in_error(
+// A note on a Python exception (its type and message stay the node's own),
+// context on a c10::Error.
+std::exception_ptr PythonHost::name_collective_node_in_error(
     std::exception_ptr error,
     const Node& fn,
     bool in_lane) {
@@ -433,21 +373,15 @@ std::exception_ptr python_name_collective_node_in_error(
   return error;
 }
 
-// `example` is the node of a Python autograd.Function (a PyNode), whose type
-// collective_role must recognise.
-void remember_python_node_type(const Node& example) {
-  TORCH_CHECK(
-      std::string_view(typeid(example).name()) == "N5torch8autograd6PyNodeE",
-      "remember_python_node_type: expected the node of a Python autograd.Function, got ",
-      example.name());
-  python_node_type.store(&typeid(example), std::memory_order_relaxed);
-}
+namespace {
 
 PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
   HANDLE_TH_ERRORS
   if (PyType_Check(node_or_class)) {
     return PyLong_FromLong(
-        static_cast<long>(role_of_class(checked_node_class(node_or_class))));
+        static_cast<long>(python_host()
+                              .kind_of_class(checked_node_class(node_or_class))
+                              .role));
   }
   TORCH_CHECK_TYPE(
       THPFunction_Check(node_or_class),
@@ -457,20 +391,9 @@ PyObject* py_collective_role(PyObject* /*module*/, PyObject* node_or_class) {
   CollectiveRole role = CollectiveRole::kNone;
   if (node) {
     pybind11::gil_scoped_release no_gil; // as discovery calls it
-    role = python_collective_role(*node);
+    role = python_host().collective_kind(*node).role;
   }
   return PyLong_FromLong(static_cast<long>(role));
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* py_set_lane_group_resolver(PyObject* /*module*/, PyObject* resolver) {
-  HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(
-      PyCallable_Check(resolver),
-      "the lane group resolver must be callable");
-  Py_INCREF(resolver);
-  Py_XSETREF(lane_group_resolver, resolver);
-  Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
@@ -481,14 +404,7 @@ PyObject* py_set_collective_checker(PyObject* /*module*/, PyObject* checker) {
           (PyObject_HasAttrString(checker, "begin") != 0 &&
            PyObject_HasAttrString(checker, "wait") != 0),
       "the collective checker must have begin and wait methods, or be None");
-  if (checker == Py_None) {
-    collective_check_on.store(false);
-    Py_CLEAR(collective_checker);
-  } else {
-    Py_INCREF(checker);
-    Py_XSETREF(collective_checker, checker);
-    collective_check_on.store(true);
-  }
+  python_host().set_collective_checker(checker);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -496,7 +412,9 @@ PyObject* py_set_collective_checker(PyObject* /*module*/, PyObject* checker) {
 PyObject* py_collective_role_cache_size(
     PyObject* /*module*/,
     PyObject* /*unused*/) {
-  return PyLong_FromSize_t(role_cache().size());
+  HANDLE_TH_ERRORS
+  return PyLong_FromSize_t(python_host().role_cache_size());
+  END_HANDLE_TH_ERRORS
 }
 
 PyObject* py_set_auto_collective_priority(
@@ -521,14 +439,7 @@ PyObject* py_auto_collective_priority(
 PyObject* py_is_collective_node(PyObject* /*module*/, PyObject* node) {
   HANDLE_TH_ERRORS
   return PyBool_FromLong(
-      is_launch(python_collective_role(*checked_node_of(node))));
-  END_HANDLE_TH_ERRORS
-}
-
-PyObject* py_remember_python_node_type(PyObject* /*module*/, PyObject* node) {
-  HANDLE_TH_ERRORS
-  remember_python_node_type(*checked_node_of(node));
-  Py_RETURN_NONE;
+      is_launch(python_host().collective_kind(*checked_node_of(node)).role));
   END_HANDLE_TH_ERRORS
 }
 
@@ -536,13 +447,9 @@ PyMethodDef collective_methods[] = {
     {"set_collective_role",
      py_set_collective_role,
      METH_VARARGS,
-     "set_collective_role(node_class, role): 0 none, 1 launch, 2 wait; wins over "
-     "the built-in rules."},
-    {"set_collective_role_decider",
-     py_set_collective_role_decider,
-     METH_O,
-     "set_collective_role_decider(fn): fn(node_class) -> role, called once per "
-     "class not registered."},
+     "set_collective_role(node_class, role, defers_wait): role 0 none, 1 "
+     "launch, 2 wait, 3 lane, and whether the node hands its result over in "
+     "flight; wins over the built-in rules."},
     {"collective_role",
      py_collective_role,
      METH_O,
@@ -556,11 +463,6 @@ PyMethodDef collective_methods[] = {
      "sequence_nr, expected gradients); checker.wait(what begin returned) before the first "
      "starts and at the call's end, raising on a mismatch; None switches the "
      "check off."},
-    {"set_lane_group_resolver",
-     py_set_lane_group_resolver,
-     METH_O,
-     "set_lane_group_resolver(fn): fn(ctx) -> the process group whose lane runs "
-     "that lane node."},
     {"_collective_role_cache_size",
      py_collective_role_cache_size,
      METH_NOARGS,
@@ -574,11 +476,6 @@ PyMethodDef collective_methods[] = {
      py_auto_collective_priority,
      METH_NOARGS,
      "auto_collective_priority() -> bool."},
-    {"remember_python_node_type",
-     py_remember_python_node_type,
-     METH_O,
-     "remember_python_node_type(node): the grad_fn of a Python "
-     "autograd.Function, so the engine can recognise collectives' nodes."},
     {"is_collective_node",
      py_is_collective_node,
      METH_O,
@@ -588,21 +485,8 @@ PyMethodDef collective_methods[] = {
 
 } // namespace
 
-void fill_collective_callbacks(HostCallbacks& callbacks) {
-  callbacks.collective_role = python_collective_role;
-  callbacks.defers_its_wait = python_defers_its_wait;
-  callbacks.lane_group_key = python_lane_group_key;
-  callbacks.collective_check_enabled = python_collective_check_enabled;
-  callbacks.begin_collective_check = python_begin_collective_check;
-  callbacks.raise_if_interrupted = python_raise_if_interrupted;
-  callbacks.name_collective_node_in_error =
-      python_name_collective_node_in_error;
-}
-
 bool init_collective_bindings(PyObject* module) {
-  forget_callback = PyCFunction_New(&forget_dead_class_def, nullptr);
-  if (forget_callback == nullptr ||
-      PyModule_AddFunctions(module, collective_methods) != 0) {
+  if (PyModule_AddFunctions(module, collective_methods) != 0) {
     return false;
   }
   // The engine's values, which torch_ext/collectives.py reads rather than

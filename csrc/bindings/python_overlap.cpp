@@ -1,12 +1,13 @@
 // torch_ext._C's half of torch_ext.overlap_microbatches (torch_ext/
 // microbatch_overlap.py): its calls turned into the window's (overlap/window.h;
 // the rule lives there and in overlap/collective_gate.h, which the window
-// installs and Python never calls), Python's answers to the
-// questions the overlap asks through HostCallbacks, the forward rules' names
+// installs and Python never calls), the host's answers to the
+// questions the overlap asks (PythonHost's methods), the forward rules' names
 // and the gate's error type for Python, and the caller's thread-local state
 // carried to the backward thread.
 
 #include "bindings/python_overlap.h"
+#include "bindings/python_host.h"
 #include "engine/caller_thread_state.h"
 #include "overlap/window.h"
 
@@ -25,68 +26,23 @@
 namespace torch_ext {
 namespace {
 
-// torch_ext._C.ForwardStoppedByBackward, made when the module is.
-PyObject* forward_stopped_by_backward_type = nullptr;
-
-// HostCallbacks::forward_stopped_by_backward's error. The gate raises it in a
-// dispatcher kernel, below whatever called the collective from Python:
-// torch's handlers there (HANDLE_TH_ERRORS around torch.ops, its pybind11
-// translator around ProcessGroup's methods) make any c10::Error, subclass or
-// not, a RuntimeError, and a torch::PyTorchError the Python type it names.
-// So the error is one, and needs no GIL until a handler sets it.
+// The error the gate raises in a dispatcher kernel, below whatever called
+// the collective from Python: torch's handlers there (HANDLE_TH_ERRORS around
+// torch.ops, its pybind11 translator around ProcessGroup's methods) make any
+// c10::Error, subclass or not, a RuntimeError, and a torch::PyTorchError the
+// Python type it names. So the error is one, and needs no GIL until a
+// handler sets it.
 struct ForwardStoppedByBackward final : torch::PyTorchError {
-  using torch::PyTorchError::PyTorchError;
+  ForwardStoppedByBackward(std::string message, PyObject* type)
+      : torch::PyTorchError(std::move(message)), type_(type) {}
   PyObject* python_type() override {
-    return forward_stopped_by_backward_type != nullptr
-        ? forward_stopped_by_backward_type
-        : PyExc_RuntimeError;
+    return type_;
   }
+
+ private:
+  // torch_ext._C.ForwardStoppedByBackward, which the host holds.
+  PyObject* type_;
 };
-
-std::exception_ptr python_forward_stopped_by_backward(std::string message) {
-  return std::make_exception_ptr(ForwardStoppedByBackward(std::move(message)));
-}
-
-// HostCallbacks::raise_interrupt_later: Python's handler raised
-// (KeyboardInterrupt) in python_raise_if_interrupted; Python raises it
-// again once the op returns. Needs no GIL.
-void python_raise_interrupt_later(std::exception_ptr interrupt) {
-  try {
-    std::rethrow_exception(std::move(interrupt));
-  } catch (python_error&) {
-    PyErr_SetInterrupt();
-  } catch (...) {
-  }
-}
-
-// HostCallbacks::twin_group_name: torch_ext.collectives.twin_groups makes
-// the twin (or refuses a group that can have none), with the GIL.
-std::string python_twin_group_name(const std::string& group_name) {
-  pybind11::gil_scoped_acquire gil;
-  THPObjectPtr module(
-      PyImport_ImportModule("torch_ext.collectives.twin_groups"));
-  THPObjectPtr twins(
-      module ? PyObject_GetAttrString(module.get(), "TWINS") : nullptr);
-  THPObjectPtr twin_name(
-      twins
-          ? PyObject_CallMethod(twins.get(), "name_of", "s", group_name.c_str())
-          : nullptr);
-  const char* name = twin_name ? PyUnicode_AsUTF8(twin_name.get()) : nullptr;
-  if (name == nullptr) {
-    throw python_error();
-  }
-  return name;
-}
-
-// HostCallbacks::wait_releasing_gil.
-void python_wait_releasing_gil(c10::function_ref<void()> wait) {
-  if (Py_IsInitialized() && PyGILState_Check() != 0) {
-    pybind11::gil_scoped_release no_gil;
-    wait();
-    return;
-  }
-  wait();
-}
 
 // _overlap_open(): this thread is the forward thread of a new window.
 PyObject* py_overlap_open(PyObject*, PyObject*) {
@@ -236,11 +192,46 @@ PyMethodDef overlap_methods[] = {
 
 } // namespace
 
-void fill_overlap_callbacks(HostCallbacks& callbacks) {
-  callbacks.raise_interrupt_later = python_raise_interrupt_later;
-  callbacks.wait_releasing_gil = python_wait_releasing_gil;
-  callbacks.forward_stopped_by_backward = python_forward_stopped_by_backward;
-  callbacks.twin_group_name = python_twin_group_name;
+std::exception_ptr PythonHost::forward_stopped_by_backward(
+    std::string message) {
+  return std::make_exception_ptr(ForwardStoppedByBackward(
+      std::move(message),
+      answers_.forward_stopped_by_backward_type.get()));
+}
+
+// Python's handler raised (KeyboardInterrupt) in raise_if_interrupted;
+// Python raises it again once the op returns. Needs no GIL.
+void PythonHost::raise_interrupt_later(std::exception_ptr interrupt) {
+  try {
+    std::rethrow_exception(std::move(interrupt));
+  } catch (python_error&) {
+    PyErr_SetInterrupt();
+  } catch (...) {
+  }
+}
+
+// torch_ext.collectives.twin_groups makes the twin (or refuses a group that
+// can have none), with the GIL.
+std::string PythonHost::twin_group_name(const std::string& group_name) {
+  pybind11::gil_scoped_acquire gil;
+  THPObjectPtr twin_name(PyObject_CallFunction(
+      answers_.twin_group_name.get(),
+      "s",
+      group_name.c_str()));
+  const char* name = twin_name ? PyUnicode_AsUTF8(twin_name.get()) : nullptr;
+  if (name == nullptr) {
+    throw python_error();
+  }
+  return name;
+}
+
+void PythonHost::wait_releasing_gil(c10::function_ref<void()> wait) {
+  if (Py_IsInitialized() && PyGILState_Check() != 0) {
+    pybind11::gil_scoped_release no_gil;
+    wait();
+    return;
+  }
+  wait();
 }
 
 bool init_overlap_bindings(PyObject* module) {
@@ -266,19 +257,20 @@ bool init_overlap_bindings(PyObject* module) {
   }
   // A RuntimeError, so that code catching the gate's errors as before still
   // does; torch_ext/microbatch_overlap.py tells it from the others by type.
-  forward_stopped_by_backward_type = PyErr_NewExceptionWithDoc(
+  // The module holds it, and the host takes it from there (install_host).
+  THPObjectPtr forward_stopped_by_backward(PyErr_NewExceptionWithDoc(
       "torch_ext._C.ForwardStoppedByBackward",
       "A collective of the forward thread of torch_ext.overlap_microbatches "
       "was not started: the backward beside it had failed.",
       PyExc_RuntimeError,
-      nullptr);
-  return forward_stopped_by_backward_type != nullptr &&
+      nullptr));
+  return forward_stopped_by_backward &&
       PyModule_AddObjectRef(module, "_overlap_forward_rules", rules.get()) ==
       0 &&
       PyModule_AddObjectRef(
           module,
           "ForwardStoppedByBackward",
-          forward_stopped_by_backward_type) == 0;
+          forward_stopped_by_backward.get()) == 0;
 }
 
 } // namespace torch_ext

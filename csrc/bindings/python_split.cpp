@@ -7,6 +7,7 @@
 // would have needed.
 
 #include "bindings/python_split.h"
+#include "bindings/python_host.h"
 #include "bindings/python_request.h"
 #include "engine/split/batched_accumulation.h"
 #include "engine/split/split_backward.h"
@@ -56,7 +57,7 @@ PyObject* wrap_state(std::shared_ptr<SplitState> state) {
   return obj;
 }
 
-// HostCallbacks::narrow_needs_input_grad and restore_needs_input_grad: the
+// The host's narrow_needs_input_grad and restore_needs_input_grad: the
 // narrowed tuple replaces the Function's own while
 // its backward runs; the token is the original tuple (a strong reference).
 //
@@ -70,7 +71,9 @@ THPFunction* custom_function_of(Node& fn) {
       : nullptr;
 }
 
-void* narrow_needs_input_grad(Node& fn) {
+} // namespace
+
+void* PythonHost::narrow_needs_input_grad(Node& fn) {
   if (fn.pyobj_slot()->load_pyobj() == nullptr) {
     return nullptr;
   }
@@ -110,7 +113,7 @@ void* narrow_needs_input_grad(Node& fn) {
   return original;
 }
 
-void restore_needs_input_grad(Node& fn, void* token) {
+void PythonHost::restore_needs_input_grad(Node& fn, void* token) {
   pybind11::gil_scoped_acquire gil;
   THPFunction* function = custom_function_of(fn);
   if (function == nullptr) {
@@ -122,8 +125,6 @@ void restore_needs_input_grad(Node& fn, void* token) {
   function->needs_input_grad = static_cast<PyObject*>(token);
   Py_XDECREF(narrowed);
 }
-
-} // namespace
 
 PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
@@ -322,11 +323,6 @@ bool init_split_bindings(PyObject* module) {
     return false;
   }
   return true;
-}
-
-void fill_split_callbacks(HostCallbacks& callbacks) {
-  callbacks.narrow_needs_input_grad = narrow_needs_input_grad;
-  callbacks.restore_needs_input_grad = restore_needs_input_grad;
 }
 
 } // namespace torch_ext

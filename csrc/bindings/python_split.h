@@ -3,8 +3,6 @@
 // torch_ext._C's split-backward entry points (python_split.cpp), listed in
 // the module's method table in python_bindings.cpp.
 
-#include "engine/host_callbacks.h"
-
 #include <Python.h>
 
 namespace torch_ext {
@@ -22,9 +20,5 @@ PyObject* py_set_max_batched_gradient_bytes(PyObject* module, PyObject* bytes);
 // Adds the SplitState type to `module`. False, with a Python error set, on
 // failure.
 bool init_split_bindings(PyObject* module);
-
-// Lets split passes narrow custom Functions' ctx.needs_input_grad: sets the
-// entries of `callbacks` that do.
-void fill_split_callbacks(HostCallbacks& callbacks);
 
 } // namespace torch_ext

@@ -16,8 +16,8 @@
 // (torch_ext.run_in_lane): the engine hands its apply() to the lane of its
 // process group (collective_lane.h) and goes on with the other ready nodes.
 //
-// Which role a node has is the host's answer (HostCallbacks::collective_role
-// in engine/host_callbacks.h): decided once per node class and cached by the
+// Which role a node has is the host's answer (Host::collective_kind in
+// engine/host_interface.h): decided once per node class and cached by the
 // Python bindings (bindings/python_collectives.cpp). torch_ext._C exports
 // these values (collective_roles, collective_priority); Python reads them
 // there rather than restating them.
@@ -35,6 +35,16 @@ enum class CollectiveRole : uint8_t {
   kLaunch = 1,
   kWait = 2,
   kLane = 3,
+};
+
+// What a node class is to the engine: its role and whether its node, when it
+// launches, hands its result to the engine in flight
+// (BackwardCall::defer_wait_to_first_use), as torch_ext's own collective ops
+// do. Both are decided together, once per class.
+struct CollectiveKind {
+  CollectiveRole role = CollectiveRole::kNone;
+  bool defers_wait = false;
+  bool operator==(const CollectiveKind&) const = default;
 };
 
 // A node that issues a collective (kLaunch or kLane): the engine

@@ -6,15 +6,24 @@ namespace torch_ext {
 namespace {
 
 constexpr uintptr_t kRoleBits = 0x3;
+constexpr uintptr_t kDefersWaitBit = 0x4;
 constexpr uintptr_t kAddressBits = ~uintptr_t{0x7};
 constexpr uintptr_t kEmpty = 0;
-// A removed entry: no class has address 0, and probing goes on past it.
+// A removed entry: no class has address 0 (so no entry is this, whatever its
+// low bits), and probing goes on past it.
 constexpr uintptr_t kRemoved = 0x4;
 // 256 words: room for 128 classes before the first copy.
 constexpr size_t kInitialCapacity = 256;
 
-uintptr_t entry_of(uintptr_t key, CollectiveRole role) {
-  return key | static_cast<uintptr_t>(role);
+uintptr_t entry_of(uintptr_t key, CollectiveKind kind) {
+  return key | static_cast<uintptr_t>(kind.role) |
+      (kind.defers_wait ? kDefersWaitBit : 0);
+}
+
+CollectiveKind kind_of(uintptr_t entry) {
+  return {
+      static_cast<CollectiveRole>(entry & kRoleBits),
+      (entry & kDefersWaitBit) != 0};
 }
 
 } // namespace
@@ -36,14 +45,14 @@ class RoleTable {
     return mask_ + 1;
   }
 
-  std::optional<CollectiveRole> find(uintptr_t key) const {
+  std::optional<CollectiveKind> find(uintptr_t key) const {
     for (size_t i = home(key);; i = (i + 1) & mask_) {
       const uintptr_t entry = slots_[i].load(std::memory_order_acquire);
       if (entry == kEmpty) {
         return std::nullopt;
       }
       if ((entry & kAddressBits) == key) {
-        return static_cast<CollectiveRole>(entry & kRoleBits);
+        return kind_of(entry);
       }
     }
   }
@@ -63,11 +72,11 @@ class RoleTable {
 
   // Writers only; `key` is absent. Returns whether it took an empty word
   // (rather than a removed entry's).
-  bool insert(uintptr_t key, CollectiveRole role) {
+  bool insert(uintptr_t key, CollectiveKind kind) {
     for (size_t i = home(key);; i = (i + 1) & mask_) {
       const uintptr_t entry = slots_[i].load(std::memory_order_relaxed);
       if (entry == kEmpty || entry == kRemoved) {
-        slots_[i].store(entry_of(key, role), std::memory_order_release);
+        slots_[i].store(entry_of(key, kind), std::memory_order_release);
         return entry == kEmpty;
       }
     }
@@ -78,9 +87,7 @@ class RoleTable {
     for (size_t i = 0; i <= mask_; ++i) {
       const uintptr_t entry = slots_[i].load(std::memory_order_relaxed);
       if (entry != kEmpty && entry != kRemoved) {
-        visit(
-            entry & kAddressBits,
-            static_cast<CollectiveRole>(entry & kRoleBits));
+        visit(entry & kAddressBits, kind_of(entry));
       }
     }
   }
@@ -115,13 +122,13 @@ RoleCache::RoleCache() {
 
 RoleCache::~RoleCache() = default;
 
-std::optional<CollectiveRole> RoleCache::find(const void* node_class) const {
+std::optional<CollectiveKind> RoleCache::find(const void* node_class) const {
   return current_.load(std::memory_order_acquire)->find(key_of(node_class));
 }
 
 RoleCache::Stored RoleCache::store(
     const void* node_class,
-    CollectiveRole role,
+    CollectiveKind kind,
     bool overwrite,
     const void* death_token) {
   const uintptr_t key = key_of(node_class);
@@ -129,23 +136,20 @@ RoleCache::Stored RoleCache::store(
   RoleTable* table = current_.load(std::memory_order_relaxed);
   if (std::atomic<uintptr_t>* slot = table->slot_of(key)) {
     if (!overwrite) {
-      return {
-          static_cast<CollectiveRole>(
-              slot->load(std::memory_order_relaxed) & kRoleBits),
-          false};
+      return {kind_of(slot->load(std::memory_order_relaxed)), false};
     }
-    slot->store(entry_of(key, role), std::memory_order_release);
-    return {role, false};
+    slot->store(entry_of(key, kind), std::memory_order_release);
+    return {kind, false};
   }
   // At most half full, counting removed entries: probes stay short.
   if ((used_words_ + 1) * 2 > table->capacity()) {
     table = grow();
   }
-  if (table->insert(key, role)) {
+  if (table->insert(key, kind)) {
     used_words_ += 1;
   }
   key_of_token_.emplace(death_token, key);
-  return {role, true};
+  return {kind, true};
 }
 
 bool RoleCache::remove(const void* death_token) {
@@ -176,7 +180,7 @@ RoleTable* RoleCache::grow() {
   }
   auto table = std::make_unique<RoleTable>(capacity);
   old_table->for_each_entry(
-      [&](uintptr_t key, CollectiveRole role) { table->insert(key, role); });
+      [&](uintptr_t key, CollectiveKind kind) { table->insert(key, kind); });
   used_words_ = live;
   tables_.push_back(std::move(table));
   current_.store(tables_.back().get(), std::memory_order_release);

@@ -1,12 +1,13 @@
 #pragma once
 
-// Which role each node class has (collective_role.h), cached per class and
-// read without a lock.
+// What each node class is to the engine (collective_role.h's CollectiveKind:
+// its role, and whether it defers its wait), cached per class and read
+// without a lock.
 //
 // Read by discovery for every node without the GIL, written (rarely) by
 // registration, by the first sight of a class and by a class's death. Readers
 // take no lock: the table is open addressing over atomic words, each holding
-// a class's address with its role in the low bits (classes are at least
+// a class's address with its kind in the low bits (classes are at least
 // 8-byte aligned), so a reader sees an entry whole or not at all. A full
 // table is replaced by a larger copy; readers may still be probing the old
 // one, so old tables are kept (their sizes double, so all of them together
@@ -43,22 +44,22 @@ class RoleCache {
   RoleCache(const RoleCache&) = delete;
   RoleCache& operator=(const RoleCache&) = delete;
 
-  // The role of the class at `node_class`, if it has one here. Lock-free.
-  std::optional<CollectiveRole> find(const void* node_class) const;
+  // The kind of the class at `node_class`, if it has one here. Lock-free.
+  std::optional<CollectiveKind> find(const void* node_class) const;
 
   struct Stored {
-    // The class's role now.
-    CollectiveRole role;
+    // The class's kind now.
+    CollectiveKind kind;
     // Whether the cache keeps `death_token` (for a new entry). If not, the
     // caller still owns it, and drops it.
     bool token_kept;
   };
 
-  // Sets `node_class`'s role; with `overwrite` false an existing entry wins
-  // and its role is returned.
+  // Sets `node_class`'s kind; with `overwrite` false an existing entry wins
+  // and its kind is returned.
   Stored store(
       const void* node_class,
-      CollectiveRole role,
+      CollectiveKind kind,
       bool overwrite,
       const void* death_token);
 

@@ -2,7 +2,7 @@
 
 // The engine's entry point, shared by the torch.library op registrations
 // (ops.cpp) and the Python bindings (python_bindings.cpp). The engine's
-// questions to Python go through engine/host_callbacks.h.
+// questions to Python go through engine/host_interface.h.
 
 #include "engine/call_options.h"
 #include "engine/plan/priority_table.h"

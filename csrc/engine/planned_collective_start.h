@@ -9,7 +9,7 @@
 // and the report that it started.
 
 #include "engine/collective_progress.h"
-#include "engine/host_callbacks.h"
+#include "engine/host_interface.h"
 
 #include <cstdint>
 #include <memory>

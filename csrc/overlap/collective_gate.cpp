@@ -1,6 +1,6 @@
 #include "overlap/collective_gate.h"
 #include "engine/collective_progress.h"
-#include "engine/host_callbacks.h"
+#include "engine/host_interface.h"
 #include "overlap/window.h"
 
 #include <c10/util/Exception.h>
@@ -60,7 +60,7 @@ std::unique_ptr<at::ObserverContext> on_forward_op(
   } catch (...) {
     // The host's interrupt handler raised (KeyboardInterrupt): the
     // collective goes on.
-    host_callbacks().raise_interrupt_later(std::current_exception());
+    host().raise_interrupt_later(std::current_exception());
   }
   return nullptr;
 }
@@ -138,7 +138,7 @@ std::string twin_name_of(const std::string& group_name) {
   }
   // Asked without the window's mutex: the host takes the GIL, which the
   // forward thread may hold while it waits for the mutex.
-  std::string twin = host_callbacks().twin_group_name(group_name);
+  std::string twin = host().twin_group_name(group_name);
   std::lock_guard<std::mutex> lock(w.mutex);
   return w.twin_names.emplace(group_name, std::move(twin)).first->second;
 }
@@ -179,7 +179,7 @@ bool before_collective(const c10::OperatorHandle& op) {
         forward_waits_its_turn(lock);
     if (!backward->error.empty()) {
       std::rethrow_exception(
-          host_callbacks().forward_stopped_by_backward(
+          host().forward_stopped_by_backward(
               c10::str(
                   "torch_ext: ",
                   op.schema().name(),

@@ -9,7 +9,7 @@
 // issued. A forward collective waits here for its turn; a collective no plan
 // holds, started while a backward runs, is refused before it starts; a
 // forward collective that finds the backward beside it failed raises
-// HostCallbacks::forward_stopped_by_backward's error instead of starting.
+// Host::forward_stopped_by_backward's error instead of starting.
 
 #include <ATen/record_function.h>
 

@@ -1,5 +1,5 @@
 #include "overlap/window.h"
-#include "engine/host_callbacks.h"
+#include "engine/host_interface.h"
 #include "overlap/collective_gate.h"
 
 #include <c10/util/Exception.h>
@@ -25,7 +25,7 @@ void park_forward_until(
       if (w.changed.wait_for(lock, kSignalPollInterval) ==
           std::cv_status::timeout) {
         lock.unlock();
-        host_callbacks().raise_if_interrupted();
+        host().raise_if_interrupted();
         lock.lock();
       }
     }
@@ -82,7 +82,7 @@ void HandedBackward::may_start(size_t place) {
   Window& w = window();
   bool backward_failed = false;
   // Called on the engine thread or a lane, which may hold the GIL.
-  host_callbacks().wait_releasing_gil([&] {
+  host().wait_releasing_gil([&] {
     std::unique_lock<std::mutex> lock(w.mutex);
     w.changed.wait(lock, [&] { return failed || backward_may_start(place); });
     backward_failed = failed;
@@ -103,7 +103,7 @@ std::shared_ptr<HandedBackward> forward_waits_its_turn(
     // GIL. The mutex is let go before the GIL is taken back: a thread that
     // holds the GIL may be waiting for the mutex.
     lock.unlock();
-    host_callbacks().wait_releasing_gil([&] {
+    host().wait_releasing_gil([&] {
       std::unique_lock<std::mutex> parked(w.mutex);
       park_forward_until(parked, [&] { return backward->releases_forward(); });
     });
@@ -179,7 +179,7 @@ void finish_handed_backward(const std::optional<std::string>& error) {
 void wait_for_handed_backward() {
   check_forward_thread("wait");
   Window& w = window();
-  host_callbacks().wait_releasing_gil([&] {
+  host().wait_releasing_gil([&] {
     std::unique_lock<std::mutex> lock(w.mutex);
     const std::shared_ptr<HandedBackward> backward = w.current;
     if (backward != nullptr && !backward->finished) {
@@ -200,7 +200,7 @@ bool enter_rng_section() {
     return false;
   }
   bool entered = false;
-  host_callbacks().wait_releasing_gil([&] {
+  host().wait_releasing_gil([&] {
     std::unique_lock<std::mutex> lock(w.mutex);
     if (w.rng_section == std::this_thread::get_id()) {
       return;

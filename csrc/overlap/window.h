@@ -14,8 +14,8 @@
 // parked in one of the window's waits (an RNG section), so the forward's
 // draws never see the recompute's state.
 //
-// No Python here: Ctrl-C and the GIL are reached through HostCallbacks
-// (engine/host_callbacks.h); bindings/python_overlap.cpp turns Python's
+// No Python here: Ctrl-C and the GIL are reached through the Host
+// (engine/host_interface.h); bindings/python_overlap.cpp turns Python's
 // calls into these functions.
 
 #include "engine/collective_progress.h"
@@ -141,7 +141,7 @@ struct Window {
   // (collective_gate.h), removed when the window closes.
   std::optional<at::CallbackHandle> forward_observer;
   // Under kBesideOnTwinGroups, the registered name of each group's twin, by
-  // the group's (HostCallbacks::twin_group_name, asked once per group and
+  // the group's (Host::twin_group_name, asked once per group and
   // window: a window lives in one world, whose names do not change).
   std::unordered_map<std::string, std::string> twin_names;
 };

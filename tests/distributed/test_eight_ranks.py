@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import torch_ext
 import torch_ext.ops
+from torch_ext._loader import CHECK_COLLECTIVES_VARIABLE
 from torch_ext.collectives import order_check
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -232,7 +233,7 @@ def results(tmp_path_factory) -> list[dict]:
         _run_on_eight_ranks,
         tmp_path_factory.mktemp("eight_ranks"),
         world_size=WORLD_SIZE,
-        env={order_check.ENVIRONMENT_VARIABLE: "1"},
+        env={CHECK_COLLECTIVES_VARIABLE: "1"},
         timeout_s=240,
     )
 

@@ -20,8 +20,9 @@
   :func:`torch_ext.ops.all_reduce` and the rest, ``torch.ops.torch_ext.*``) live in ``torch_ext.ops``, one
   public function per op beside its fake kernel and autograd formula, as every op of torch_ext does.
 
-Each public name here is also ``torch_ext.<name>``. Importing torch_ext imports the three modules, and with
-them hands the engine the callbacks it asks: a node class's role, a lane node's group and the order checker.
+Each public name here is also ``torch_ext.<name>``. What the engine asks of them (a node class's role, a lane
+node's group, the order check) it asks through torch_ext's host, which torch_ext's import installs with their
+functions (``torch_ext/_host.py``).
 """
 
 from torch_ext.collectives.lanes import run_in_lane

@@ -46,8 +46,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_ext._loader import _C
-from torch_ext.collectives.roles import _LANE, FunctionClasses, _generated_function, _is_op, _node_classes, _overload
+from torch_ext.collectives.roles import (
+    _LANE,
+    FunctionClasses,
+    _generated_function,
+    _is_op,
+    _node_classes,
+    _overload,
+    _set_role,
+)
 
 # Backward node class -> how to find its process group from the node's ctx.
 _GROUP_OF: dict[type, Callable[[Any], Any]] = {}
@@ -100,7 +107,7 @@ def run_in_lane(*functions: FunctionClasses | Any, group_of: Callable[[Any], Any
         raise ValueError(f"torch_ext.{api}: give at least one Function class or op")
     for node_class, find_group in declared:
         _GROUP_OF[node_class] = find_group
-        _C.set_collective_role(node_class, _LANE)
+        _set_role(node_class, _LANE)
 
 
 def _function_name(ctx: Any) -> str:
@@ -228,5 +235,3 @@ def _fsdp_newly_imported() -> bool:
 
 _recheck_after(torch.nn.parallel.DistributedDataParallel, "__init__")
 _recheck_after(torch.nn.parallel.DistributedDataParallel, "register_comm_hook")
-
-_C.set_lane_group_resolver(_lane_group)

@@ -46,11 +46,9 @@ import torch
 import torch.distributed as dist
 
 from torch_ext._handed_backward import handed_backward
-from torch_ext._loader import _C, switch_on
+from torch_ext._loader import _C
 from torch_ext.collectives.group_mirrors import Group, GroupMirrors
 from torch_ext.collectives.lanes import _GROUP_OF
-
-ENVIRONMENT_VARIABLE = "TORCH_EXT_CHECK_COLLECTIVES"
 
 # Every group's mirror, made at its first use (group_mirrors.py) and kept for the next checker: a mirror made
 # again would reuse its store keys.
@@ -390,7 +388,3 @@ def collective_check_count() -> int:
     """How many exchanges the check made in this process since it was switched on (0 when off): one for each
     backward that ran its collectives in sequence."""
     return 0 if _checker is None else _checker.exchanges
-
-
-if switch_on(ENVIRONMENT_VARIABLE):
-    check_collective_order()

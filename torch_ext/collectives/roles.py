@@ -24,8 +24,10 @@ node sends and waits: ``register_collective_backward(launches=MyAllToAll)``.
 Built in, without importing any of these libraries: torch_ext's own collective ops
 (:mod:`torch_ext.ops`), PyTorch's functional collectives (``_c10d_functional`` and
 ``_c10d_functional_autograd`` ops), TorchRec's ``torchrec.distributed.comm_ops`` (every Req/Wait
-pair, its synchronous ``AllToAllSingle`` and its ``torchrec::`` collective ops). They are matched by
-the module and name of the forward Function class, once per class.
+pair, its synchronous ``AllToAllSingle`` and its ``torchrec::`` collective ops). A class is known
+by identity, never by its name, once per class: the Function torch.library generates for an op's
+autograd formula by the op its forward holds (looked up by the op's qualified name, read from the op
+object), TorchRec's Functions as the objects its module defines, once it is imported.
 
 The synchronous ``_AllToAll`` of Megatron-core (``megatron.core.tensor_parallel.mappings``) and DeepSpeed
 (``deepspeed.moe.sharded_moe``) block inside their node, so starting them earlier gains nothing: they
@@ -43,10 +45,13 @@ from __future__ import annotations
 
 import functools
 import gc
+import sys
+import types
 from collections.abc import Iterable
 from typing import Literal
 
 import torch
+from torch._library import autograd as _library_autograd
 from torch.autograd.function import BackwardCFunction
 
 from torch_ext._loader import _C
@@ -54,33 +59,75 @@ from torch_ext._loader import _C
 _NONE, _LAUNCH, _WAIT, _LANE = (_C.collective_roles[name] for name in ("none", "launch", "wait", "lane"))
 _ROLE_NAMES = {_NONE: None, _LAUNCH: "launch", _WAIT: "wait", _LANE: "lane"}
 
-# torch.library.register_autograd names the Function class it generates
-# "GeneratedBackwardFor_{namespace}_{op}_{overload}"; its node class adds "Backward"
-# (torch/_library/autograd.py).
-_GENERATED = "GeneratedBackwardFor_"
-# Namespace -> op names (each followed by "_{overload}") whose backward is a synchronous collective.
-# None: every op of the namespace but _GENERATED_NOT_COLLECTIVES.
-_COLLECTIVE_OPS: dict[str, tuple[str, ...] | None] = {
-    # Also matches _c10d_functional_autograd_.
-    "_c10d_functional_": None,
-    # "all_reduce_" also covers all_reduce_coalesced.
-    "torch_ext_": ("all_to_all_single_", "all_reduce_", "reduce_scatter_tensor_", "all_gather_into_tensor_"),
+# The ops whose torch.library autograd formula is a synchronous collective (its node sends and waits), by the op's
+# qualified name, read from the op object (its schema's name, "namespace::op"; every overload): role, and whether
+# the node hands its result to the engine in flight (torch_ext's own ops, which add themselves when they are
+# registered: torch_ext/ops/collectives.py).
+_COLLECTIVE_OPS: dict[str, tuple[int, bool]] = {
     # torchrec/distributed/comm_ops.py: their backward gathers or scatters and waits in the node.
-    "torchrec_": ("reduce_scatter_tensor_", "all_gather_into_tensor_"),
+    "torchrec::reduce_scatter_tensor": (_LAUNCH, False),
+    "torchrec::all_gather_into_tensor": (_LAUNCH, False),
 }
-# Ops of _c10d_functional that are no collectives: wait_tensor, and the identity that turns a result
-# into an AsyncCollectiveTensor. Both lie on the path to the collective they belong to, and so get
-# its priority anyway.
-_GENERATED_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
+# PyTorch's functional collectives: every op of these namespaces with a formula launches (its formula issues the
+# gradient collective and waits for it in the node), but wait_tensor, and the identity that turns a result into an
+# AsyncCollectiveTensor. Both lie on the path to the collective they belong to, and so get its priority anyway.
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
 
+
+def _declare_collective_op(op: torch._ops.OpOverload, *, defers_wait: bool) -> None:
+    """Makes the backward nodes of ``op`` (every overload) launches, as the built-in rules do: for torch_ext's own
+    ops, at their registration."""
+    _COLLECTIVE_OPS[op._schema.name] = (_LAUNCH, defers_wait)
+
+
+def _op_kind(op: torch._ops.OpOverload) -> tuple[int, bool]:
+    name = op._schema.name
+    if name in _COLLECTIVE_OPS:
+        return _COLLECTIVE_OPS[name]
+    if op.namespace in _COLLECTIVE_NAMESPACES and op._opname not in _NOT_COLLECTIVES:
+        return _LAUNCH, False
+    return _NONE, False
+
+
+# The code of the forward torch.library gives the autograd.Function it generates for an op's formula
+# (torch/_library/autograd.py: make_autograd_impl's forward, and for an op with tensor lists supports_tensorlist's
+# new_forward around it): a nested function's code object is a constant of the function that makes it. The class
+# names its op only in a string, its __name__; its forward holds the op object itself, in its closure.
+_GENERATED_FORWARD_CODE = frozenset(
+    constant
+    for maker in (_library_autograd.make_autograd_impl, _library_autograd.supports_tensorlist)
+    for constant in maker.__code__.co_consts
+    if isinstance(constant, types.CodeType)
+)
+
+
+def _generated_op(function: type) -> torch._ops.OpOverload | None:
+    """The op whose torch.library autograd formula the Function class ``function`` was generated for, or None for
+    any other Function: read from its forward's closure, by type (a wrapping forward closes over the one it wraps)."""
+    forward = getattr(function, "forward", None)
+    while isinstance(forward, types.FunctionType) and forward.__code__ in _GENERATED_FORWARD_CODE:
+        captured = []
+        for cell in forward.__closure__ or ():
+            try:
+                captured.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                pass
+        op = next((value for value in captured if isinstance(value, torch._ops.OpOverload)), None)
+        if op is not None:
+            return op
+        forward = next((value for value in captured if isinstance(value, types.FunctionType)), None)
+    return None
+
+
+# TorchRec's Functions (torchrec/distributed/comm_ops.py), by their names in that module: what the backward node of
+# each does. Its Req/Wait pairs: the forward Req launches and the forward Wait waits, so in backward the Wait's node
+# launches the gradient collective (async_op=True, the Work stored in the shared Request) and the Req's node waits for
+# it (myreq.req.wait()).
 _TORCHREC_COMM_OPS = "torchrec.distributed.comm_ops"
-# (module, Function qualname) -> what that Function's backward node does. TorchRec's Req/Wait pairs
-# (torchrec/distributed/comm_ops.py): the forward Req launches and the forward Wait waits, so in
-# backward the Wait's node launches the gradient collective (async_op=True, the Work stored in the
-# shared Request) and the Req's node waits for it (myreq.req.wait()).
-_KNOWN_FUNCTIONS: dict[tuple[str, str], int] = {
+_TORCHREC_FUNCTIONS: dict[str, int] = {
     **{
-        (_TORCHREC_COMM_OPS, name): role
+        name: role
         for req, wait in (
             ("All2All_Pooled_Req", "All2All_Pooled_Wait"),
             ("Variable_Batch_All2All_Pooled_Req", "Variable_Batch_All2All_Pooled_Wait"),
@@ -94,7 +141,7 @@ _KNOWN_FUNCTIONS: dict[tuple[str, str], int] = {
         for name, role in ((req, _WAIT), (wait, _LAUNCH))
     },
     # The *_sync paths (torchrec_use_sync_collectives): backward issues a functional all_to_all.
-    (_TORCHREC_COMM_OPS, "AllToAllSingle"): _LAUNCH,
+    "AllToAllSingle": _LAUNCH,
     # Not here: the mixture-of-experts token exchange of Megatron-core
     # (megatron.core.tensor_parallel.mappings._AllToAll) and DeepSpeed (deepspeed.moe.sharded_moe._AllToAll),
     # synchronous: backward runs the reverse all_to_all and returns when it has finished. Started earlier by
@@ -103,28 +150,31 @@ _KNOWN_FUNCTIONS: dict[tuple[str, str], int] = {
 }
 
 
-def _generated_op_role(op: str) -> int:
-    for namespace, ops in _COLLECTIVE_OPS.items():
-        if op.startswith(namespace):
-            op = op[len(namespace) :]
-            if ops is None:
-                return _NONE if any(name in op for name in _GENERATED_NOT_COLLECTIVES) else _LAUNCH
-            return _LAUNCH if op.startswith(ops) else _NONE
-    return _NONE
+@functools.cache
+def _torchrec_function_roles(comm_ops: types.ModuleType) -> dict[type, int]:
+    """TorchRec's Function classes -> their nodes' roles, the classes taken from the module (once it is imported: a
+    class of it cannot exist before) and known by identity."""
+    return {
+        function: role
+        for name, role in _TORCHREC_FUNCTIONS.items()
+        if isinstance(function := getattr(comm_ops, name, None), type)
+    }
 
 
-def _builtin_role(node_class: type) -> int:
-    """The engine's question about a node class it meets for the first time (csrc/bindings/python_collectives.cpp)."""
-    name = node_class.__name__
-    if name.startswith(_GENERATED):
-        return _generated_op_role(name[len(_GENERATED) :])
+def _builtin_kind(node_class: type) -> tuple[int, bool]:
+    """The engine's question about a node class it meets for the first time (PythonHost, csrc/bindings/
+    python_collectives.cpp): its role, and whether its node hands its result to the engine in flight."""
     function = getattr(node_class, "_forward_cls", None)
     if function is None:
-        return _NONE
-    return _KNOWN_FUNCTIONS.get((function.__module__, function.__qualname__), _NONE)
+        return _NONE, False
+    op = _generated_op(function)
+    if op is not None:
+        return _op_kind(op)
+    comm_ops = sys.modules.get(_TORCHREC_COMM_OPS)
+    if comm_ops is None:
+        return _NONE, False
+    return _torchrec_function_roles(comm_ops).get(function, _NONE), False
 
-
-_C.set_collective_role_decider(_builtin_role)
 
 FunctionClasses = type | Iterable[type]
 
@@ -180,9 +230,15 @@ def register_collective_backward(*, launches: FunctionClasses = (), waits: Funct
         names = ", ".join(sorted(node_class._forward_cls.__qualname__ for node_class in both))
         raise ValueError(f"torch_ext.{api}: {names} cannot both launch and wait")
     for node_class in launch_classes:
-        _C.set_collective_role(node_class, _LAUNCH)
+        _set_role(node_class, _LAUNCH)
     for node_class in wait_classes:
-        _C.set_collective_role(node_class, _WAIT)
+        _set_role(node_class, _WAIT)
+
+
+def _set_role(node_class: type, role: int) -> None:
+    """Registers ``node_class``'s role. Whether its node hands its result over in flight stays the built-in rules'
+    answer: that is what its formula does, not something declared."""
+    _C.set_collective_role(node_class, role, _builtin_kind(node_class)[1])
 
 
 def _is_op(item: object) -> bool:
@@ -196,11 +252,14 @@ def _overload(op: torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> torch.
 @functools.cache
 def _generated_function(op: torch._ops.OpOverload, api: str) -> type:
     """The autograd Function torch.library.register_autograd generated for ``op`` (an OpOverload, or a packet's
-    default), found among live classes by the name it gives it (torch/_library/autograd.py): it is held only by
-    the op's autograd kernel, for good, so the scan (tens of ms) is made once per op."""
-    name = f"GeneratedBackwardFor_{op._namespace}_{op._opname}_{op._overloadname}"
+    default), found among live classes by the op its forward holds (:func:`_generated_op`): it is held only by the
+    op's autograd kernel, for good, so the scan (tens of ms) is made once per op."""
     # issubclass(type(...)): isinstance would ask every object for its __class__, which some answer with a warning.
-    found = [obj for obj in gc.get_objects() if issubclass(type(obj), type) and obj.__name__ == name]
+    found = [
+        obj
+        for obj in gc.get_objects()
+        if issubclass(type(obj), type) and issubclass(obj, torch.autograd.Function) and _generated_op(obj) is op
+    ]
     if not found:
         raise ValueError(
             f"torch_ext.{api}: {op} has no autograd formula registered with torch.library.register_autograd "
@@ -222,9 +281,9 @@ def unregister_collective_backward(*functions: type | torch._ops.OpOverload) -> 
     if not node_classes and not ops:
         raise ValueError(f"torch_ext.{api}: give at least one Function class")
     for node_class in node_classes:
-        _C.set_collective_role(node_class, _NONE)
+        _set_role(node_class, _NONE)
     for node_class in ops:
-        _C.set_collective_role(node_class, _builtin_role(node_class))
+        _C.set_collective_role(node_class, *_builtin_kind(node_class))
 
 
 def collective_role(

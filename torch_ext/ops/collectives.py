@@ -30,6 +30,7 @@ import torch.distributed.nn
 from torch import Tensor
 
 from torch_ext._loader import _C
+from torch_ext.collectives.roles import _declare_collective_op
 
 # Reductions whose gradient is the same reduction of the gradients (sum) or its mean (avg).
 _DIFFERENTIABLE_REDUCE_OPS = ("sum", "avg")
@@ -111,6 +112,7 @@ def _all_to_all_single_backward(ctx, grad):
 
 
 _all_to_all_single.register_autograd(_all_to_all_single_backward, setup_context=_all_to_all_single_setup)
+_declare_collective_op(torch.ops.torch_ext.all_to_all_single.default, defers_wait=True)
 
 
 def all_to_all_single(
@@ -186,6 +188,7 @@ def _all_reduce_backward(ctx, grad):
 
 
 _all_reduce.register_autograd(_all_reduce_backward, setup_context=_all_reduce_setup)
+_declare_collective_op(torch.ops.torch_ext.all_reduce.default, defers_wait=True)
 
 
 def all_reduce(input: Tensor, reduce_op: str = "sum", group=None) -> Tensor:
@@ -250,6 +253,7 @@ def _all_reduce_coalesced_backward(ctx, grads):
 
 
 _all_reduce_coalesced.register_autograd(_all_reduce_coalesced_backward, setup_context=_all_reduce_coalesced_setup)
+_declare_collective_op(torch.ops.torch_ext.all_reduce_coalesced.default, defers_wait=True)
 
 
 # What torch_ext.kernels.pack/unpack take.
@@ -314,6 +318,7 @@ def _reduce_scatter_tensor_backward(ctx, grad):
 
 
 _reduce_scatter_tensor.register_autograd(_reduce_scatter_tensor_backward, setup_context=_reduce_scatter_tensor_setup)
+_declare_collective_op(torch.ops.torch_ext.reduce_scatter_tensor.default, defers_wait=True)
 
 
 def reduce_scatter_tensor(input: Tensor, reduce_op: str = "sum", group=None) -> Tensor:
@@ -353,6 +358,7 @@ def _all_gather_into_tensor_backward(ctx, grad):
 
 
 _all_gather_into_tensor.register_autograd(_all_gather_into_tensor_backward, setup_context=_all_gather_into_tensor_setup)
+_declare_collective_op(torch.ops.torch_ext.all_gather_into_tensor.default, defers_wait=True)
 
 
 def all_gather_into_tensor(input: Tensor, group=None) -> Tensor:

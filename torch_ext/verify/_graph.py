@@ -18,7 +18,8 @@ import torch
 from torch_ext.collectives import collective_role
 from torch_ext.verify._report import Collective
 
-_ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+# The class of a leaf's gradient accumulator (torch._C._functions is an attribute of torch._C, not a module).
+_AccumulateGrad = torch._C._functions.AccumulateGrad
 # Node._sequence_nr() of a node without one (AccumulateGrad) is UINT64_MAX; the trace's is -1.
 _NO_SEQUENCE_NR = 2**63
 
@@ -67,13 +68,13 @@ def _walk(roots: Sequence[Any]) -> _Graph:
             continue
         position[node] = len(nodes)
         nodes.append(node)
-        if node.name() == _ACCUMULATE_GRAD:
+        if isinstance(node, _AccumulateGrad):
             leaves.append(node.variable)
             continue
         for next_node, _ in reversed(node.next_functions):
             if next_node is None:
                 continue
-            if next_node.name() == _ACCUMULATE_GRAD:
+            if isinstance(next_node, _AccumulateGrad):
                 edges = producers.setdefault(id(next_node.variable), [])
                 if node not in edges:
                     edges.append(node)

@@ -25,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch_ext import engine as _engine
 from torch_ext.tracing import trace
 from torch_ext.verify._compare import _compare_values, _values
-from torch_ext.verify._graph import _ACCUMULATE_GRAD, _from_trace, _Graph, _ms, _walk
+from torch_ext.verify._graph import _AccumulateGrad, _from_trace, _Graph, _ms, _walk
 from torch_ext.verify._report import ENGINES, BackwardRun, Collective, Difference
 from torch_ext.verify._snapshot import _clone, _Snapshot
 
@@ -174,7 +174,7 @@ class _Session:
             tuple(graph.label(node) for node, _ in ran),
             tuple(collectives),
         )
-        accumulation_order = [id(node.variable) for node, _ in ran if node.name() == _ACCUMULATE_GRAD]
+        accumulation_order = [id(node.variable) for node, _ in ran if isinstance(node, _AccumulateGrad)]
         return result, run, accumulation_order
 
     def _run_torch_ext(self, graph: _Graph, engine, tensors, args, kwargs):

@@ -10,7 +10,7 @@
 // host-task pattern".
 
 #include "engine/host/host_task.h"
-#include "engine/host_callbacks.h"
+#include "engine/host_interface.h"
 
 #include <ATen/EmptyTensor.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
@@ -64,7 +64,7 @@ class BackwardDriver final : public torch::autograd::Node {
       Node* failed = call->failed_node();
       if (AnomalyMode::is_enabled() && failed != nullptr) {
         failed_node_name_ = failed->name();
-        host_callbacks().copy_anomaly_metadata(*failed, *this);
+        host().copy_anomaly_metadata(*failed, *this);
       }
       throw;
     }

@@ -5,7 +5,7 @@
 // nodes must run for grad() / backward(inputs=)), over slot indices instead of
 // Node* hash maps.
 
-#include "engine/host_callbacks.h"
+#include "engine/host_interface.h"
 #include "engine/plan/graph_plan.h"
 
 #include <algorithm>
@@ -211,12 +211,12 @@ void assign_priorities(
 } // namespace
 
 CollectiveFlags collective_flags_of(const Node& fn) {
-  const CollectiveRole role = host_callbacks().collective_role(fn);
+  const CollectiveKind kind = host().collective_kind(fn);
   CollectiveFlags flags;
-  flags.collective = is_launch(role);
-  flags.defers_wait = flags.collective && host_callbacks().defers_its_wait(fn);
-  flags.runs_in_lane = role == CollectiveRole::kLane;
-  flags.collective_wait = role == CollectiveRole::kWait;
+  flags.collective = is_launch(kind.role);
+  flags.defers_wait = flags.collective && kind.defers_wait;
+  flags.runs_in_lane = kind.role == CollectiveRole::kLane;
+  flags.collective_wait = kind.role == CollectiveRole::kWait;
   return flags;
 }
 

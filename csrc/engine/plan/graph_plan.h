@@ -111,8 +111,8 @@ struct CollectiveFlags {
   bool collective_wait = false;
   bool operator==(const CollectiveFlags&) const = default;
 };
-// Asks the host for `fn`'s role (HostCallbacks::collective_role) and, for a
-// launch, whether it defers its wait (graph_discovery.cpp).
+// Asks the host for `fn`'s role and, for a launch, whether it defers its wait
+// (Host::collective_kind; graph_discovery.cpp).
 CollectiveFlags collective_flags_of(const Node& fn);
 
 // One node reachable from the roots.

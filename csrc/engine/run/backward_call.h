@@ -17,7 +17,7 @@
 
 #include "engine/call_options.h"
 #include "engine/host/host_task.h"
-#include "engine/host_callbacks.h"
+#include "engine/host_interface.h"
 #include "engine/plan/graph_plan.h"
 #include "engine/plan/scheduler.h"
 #include "engine/run/call_feature.h"

@@ -3,7 +3,7 @@
 // accelerator, the side stream each runs on instead.
 
 #include "engine/run/call_lanes.h"
-#include "engine/host_callbacks.h"
+#include "engine/host_interface.h"
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -41,8 +41,9 @@ void CallLanes::dispatch_to_lane(
 std::vector<CallLanes::FinishedLaneNode> CallLanes::take_finished(bool block) {
   // Ctrl-C while the engine waits for a lane (the collective releases the
   // GIL; the engine thread holds none).
-  const std::function<void()> check_interrupt =
-      host_callbacks().raise_if_interrupted;
+  const std::function<void()> check_interrupt = [] {
+    host().raise_if_interrupted();
+  };
   std::vector<FinishedLaneNode> taken;
   for (auto& finished : lanes_->take_finished(block, check_interrupt)) {
     auto entry = in_lane_.find(finished.slot);

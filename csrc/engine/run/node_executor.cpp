@@ -9,7 +9,7 @@
 // (backward_call.h) costs a test of a bool, a flag of the node's slot or a
 // null pointer when it is off.
 
-#include "engine/host_callbacks.h"
+#include "engine/host_interface.h"
 #include "engine/planned_collective_start.h"
 #include "engine/run/backward_call.h"
 #include "engine/run/node_steps.h"
@@ -121,11 +121,10 @@ class NarrowedNeedsInputGrad {
  public:
   NarrowedNeedsInputGrad(Node& fn, bool narrow)
       : fn_(fn),
-        token_(
-            narrow ? host_callbacks().narrow_needs_input_grad(fn) : nullptr) {}
+        token_(narrow ? host().narrow_needs_input_grad(fn) : nullptr) {}
   ~NarrowedNeedsInputGrad() {
     if (token_ != nullptr) {
-      host_callbacks().restore_needs_input_grad(fn_, token_);
+      host().restore_needs_input_grad(fn_, token_);
     }
   }
   NarrowedNeedsInputGrad(const NarrowedNeedsInputGrad&) = delete;
@@ -266,7 +265,7 @@ std::optional<variable_list> BackwardCall::run_node_action(
           start.started();
         } catch (...) {
           std::rethrow_exception(
-              host_callbacks().name_collective_node_in_error(
+              host().name_collective_node_in_error(
                   std::current_exception(),
                   fn,
                   /*in_lane=*/false));
@@ -412,7 +411,7 @@ void BackwardCall::execute_node(int32_t index) {
     // readers wait on it through their input buffers' events.
     // Its group is not needed (one side stream per device), but asking
     // refuses one the engine can see is unsafe, as on CPU.
-    host_callbacks().lane_group_key(fn);
+    host().lane_group_key(fn);
     node_stream = lanes_.move_to_side_stream(*node_stream, inputs.buffer);
     node_stream_guard.reset_stream(*node_stream);
   }

@@ -9,7 +9,7 @@ namespace torch_ext {
 
 void OrderVerdicts::plan() {
   checks_order_ = (plan_.has_lanes || plan_.has_collectives) &&
-      host_callbacks().collective_check_enabled();
+      host().collective_check_enabled();
 }
 
 void OrderVerdicts::begin(const std::vector<int32_t>& in_order) {
@@ -18,7 +18,7 @@ void OrderVerdicts::begin(const std::vector<int32_t>& in_order) {
   for (const int32_t s : in_order) {
     checked.push_back({plan_.slots[s].fn, plan_.slots[s].fn->sequence_nr()});
   }
-  order_check_ = host_callbacks().begin_collective_check(checked);
+  order_check_ = host().begin_collective_check(checked);
   awaits_order_check_ = order_check_ != nullptr;
 }
 

@@ -7,7 +7,7 @@
 // value by every call (BackwardCall::order_verdicts_); with the check off it
 // holds nothing, and the run loops' per-node test is one of a bool.
 
-#include "engine/host_callbacks.h"
+#include "engine/host_interface.h"
 #include "engine/plan/graph_plan.h"
 #include "engine/run/call_feature.h"
 

@@ -332,7 +332,7 @@ void BackwardCall::dispatch_to_lane(int32_t index) {
   Node& fn = *slot.fn;
   // Asked first: a group the engine can see is unsafe raises here, before
   // any hook of the node has run.
-  const uintptr_t group = host_callbacks().lane_group_key(fn);
+  const uintptr_t group = host().lane_group_key(fn);
   InputBuffer inputs = take_buffer(slot);
   CallLanes::LaneNode lane_node;
   if (trace::CallTrace* trace = tracing_.recorder(); trace != nullptr) {
@@ -381,7 +381,7 @@ void BackwardCall::finish_lane_node(CallLanes::FinishedLaneNode&& finished) {
   if (finished.error) {
     failed_node_ = &fn;
     std::rethrow_exception(
-        host_callbacks().name_collective_node_in_error(
+        host().name_collective_node_in_error(
             std::move(finished.error),
             fn,
             /*in_lane=*/true));

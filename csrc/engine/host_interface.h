@@ -2,21 +2,22 @@
 
 // What the engine asks of the language that hosts it: the one interface
 // through which engine/, and overlap/ above it, reach Python. The engine
-// declares it here and includes no Python header; the bindings install
-// Python's answers when torch_ext._C is imported (PyInit__C,
-// bindings/python_bindings.cpp), before any backward runs. Until then, each
-// question has the answer of a process without Python: no node is a
-// collective, nothing is narrowed, no check.
+// declares it here and includes no Python header. torch_ext's import makes
+// one Python host (bindings/python_host.h) and installs it, explicitly and
+// once (torch_ext/_host.py calls torch_ext._C.install_host), as stock's
+// torch._C installs its PythonEngine (set_default_engine_stub,
+// torch/csrc/autograd/python_engine.cpp). Until then, each question has the
+// answer of a process without Python: no node is a collective, nothing is
+// narrowed, no check.
 //
-// Every entry is a plain function pointer, called where the engine needs
-// the answer; those that need the GIL take it themselves.
+// Those answers that need the GIL take it themselves.
 
 #include "collectives/collective_role.h"
 
-#include <c10/util/Exception.h>
 #include <c10/util/FunctionRef.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -67,97 +68,80 @@ class CollectiveOrderCheck {
   }
 };
 
-struct HostCallbacks {
-  // The collective role of `fn`'s class (collective_role.h), decided once per
-  // class and cached: discovery asks for every node, without the GIL.
-  CollectiveRole (*collective_role)(const Node& fn) = [](const Node&) {
-    return CollectiveRole::kNone;
-  };
-  // Whether the launch node `fn` hands its result to the engine in flight
-  // (BackwardCall::defer_wait_to_first_use): torch_ext's own collective ops.
-  bool (*defers_its_wait)(const Node& fn) = [](const Node&) { return false; };
+class Host {
+ public:
+  virtual ~Host() = default;
+
+  // What `fn`'s class is to the engine (collective_role.h): its role, and
+  // whether it hands its result over in flight. Decided once per class and
+  // cached: discovery asks for every node, without the GIL.
+  virtual CollectiveKind collective_kind(const Node& fn) = 0;
   // The process group whose lane runs the lane node `fn`, as an opaque key.
   // Throws for a group the host can see is unsafe (DDP reducing on it).
-  uintptr_t (*lane_group_key)(const Node& fn) = [](const Node&) -> uintptr_t {
-    return 0;
-  };
+  virtual uintptr_t lane_group_key(const Node& fn) = 0;
   // The collective order check (torch_ext.check_collective_order): whether
   // it is on, and one call's check begun with its collective sequence, in
   // the order the call starts them (null if it was switched off since).
-  bool (*collective_check_enabled)() = [] { return false; };
-  std::shared_ptr<CollectiveOrderCheck> (*begin_collective_check)(
-      const std::vector<CheckedCollective>& sequence) =
-      [](const std::vector<CheckedCollective>&)
-      -> std::shared_ptr<CollectiveOrderCheck> { return nullptr; };
+  virtual bool collective_check_enabled() = 0;
+  virtual std::shared_ptr<CollectiveOrderCheck> begin_collective_check(
+      const std::vector<CheckedCollective>& sequence) = 0;
   // Throws if a signal handler raised (Ctrl-C): for the engine thread while
   // it waits for a lane, and for the microbatch overlap's forward thread
   // while it is parked (overlap/window.cpp).
-  void (*raise_if_interrupted)() = [] {};
+  virtual void raise_if_interrupted() = 0;
   // After raise_if_interrupted threw `interrupt` where no error may leave
   // (a RecordFunction callback of the overlap's forward thread): makes the
   // host raise it again once it runs its own code.
-  void (*raise_interrupt_later)(std::exception_ptr interrupt) =
-      [](std::exception_ptr) {};
+  virtual void raise_interrupt_later(std::exception_ptr interrupt) = 0;
   // Runs `wait`, which blocks until another thread acts, with the GIL
   // released if this thread holds it: the other thread may need it to act.
   // The microbatch overlap's waits run under whatever called them (a
   // collective, the engine).
-  void (*wait_releasing_gil)(c10::function_ref<void()> wait) =
-      [](c10::function_ref<void()> wait) { wait(); };
+  virtual void wait_releasing_gil(c10::function_ref<void()> wait) = 0;
   // The error that stops the overlap's forward thread before a collective
   // because the backward beside it failed (overlap/collective_gate.cpp). The
   // host makes it, so that its code can tell it from other errors by type:
   // the gate raises it inside a dispatcher kernel, and torch turns any
   // c10::Error reaching Python from there into a RuntimeError.
-  std::exception_ptr (*forward_stopped_by_backward)(std::string message) =
-      [](std::string message) {
-        return std::make_exception_ptr(
-            c10::Error(
-                {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                std::move(message)));
-      };
+  virtual std::exception_ptr forward_stopped_by_backward(
+      std::string message) = 0;
   // The registered name of the twin of the process group registered as
   // `group_name`: a gloo group of the same ranks, on which a backward beside
   // the next microbatch's forward issues that group's collectives
   // (overlap/window.h, ForwardRule::kBesideOnTwinGroups). Throws for a group
   // that has none (not gloo).
-  std::string (*twin_group_name)(const std::string& group_name) =
-      [](const std::string& group_name) -> std::string {
-    TORCH_CHECK(false, "torch_ext: no host to make a twin of ", group_name);
-  };
+  virtual std::string twin_group_name(const std::string& group_name) = 0;
   // Makes an error raised by the collective node `fn` name it and where it
   // ran (its lane, or the engine thread): a collective's error is often the
   // network's, which names no node of its own.
-  std::exception_ptr (*name_collective_node_in_error)(
+  virtual std::exception_ptr name_collective_node_in_error(
       std::exception_ptr error,
       const Node& fn,
-      bool in_lane) = [](std::exception_ptr error, const Node&, bool) {
-    return error;
-  };
+      bool in_lane) = 0;
   // Split backward's passes narrow a custom Function's ctx.needs_input_grad
   // to the gradients the pass computes while its node runs
   // (GraphPlan::narrows_needs_input_grad, pytorch#174017). `narrow` returns
   // a token for `restore`, or null if nothing changed.
-  void* (*narrow_needs_input_grad)(Node& fn) = [](Node&) -> void* {
-    return nullptr;
-  };
-  void (*restore_needs_input_grad)(Node& fn, void* token) = [](Node&, void*) {};
+  virtual void* narrow_needs_input_grad(Node& fn) = 0;
+  virtual void restore_needs_input_grad(Node& fn, void* token) = 0;
   // Anomaly mode: the failing node's forward stack, which lives in the host,
   // copied to the node the host task reports instead (its driver).
-  void (*copy_anomaly_metadata)(Node& from, Node& to) = [](Node&, Node&) {};
+  virtual void copy_anomaly_metadata(Node& from, Node& to) = 0;
 };
 
+// Installs `host`, which lives as long as the process; once, at torch_ext's
+// import, before any backward.
+void install_host(Host& host);
+
 namespace detail {
-inline HostCallbacks installed_host_callbacks;
+// The installed host; until then, the answers of a process without one
+// (host_interface.cpp).
+extern std::atomic<Host*> installed_host;
 } // namespace detail
 
-// Installs the host's answers; once, at import, before any backward.
-inline void install_host_callbacks(const HostCallbacks& callbacks) {
-  detail::installed_host_callbacks = callbacks;
-}
-
-inline const HostCallbacks& host_callbacks() {
-  return detail::installed_host_callbacks;
+// Inline: discovery asks for every node.
+inline Host& host() {
+  return *detail::installed_host.load(std::memory_order_acquire);
 }
 
 } // namespace torch_ext
