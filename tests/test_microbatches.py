@@ -287,7 +287,7 @@ def test_deferring_hands_over_torch_ext_backward_and_raises_argument_errors_at_o
 
 
 def test_the_forward_rules_typed_in_python_are_the_engines():
-    # ForwardCollectives types the argument; the names and values are C++'s (csrc/overlap/window.h).
+    # ForwardCollectives types the argument; the names, in order, are C++'s (csrc/engine/collective_progress.h).
     assert get_args(ForwardCollectives) == tuple(_C._overlap_forward_rules)
 
 

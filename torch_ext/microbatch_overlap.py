@@ -71,13 +71,13 @@ from torch_ext import engine as _engine
 from torch_ext._handed_backward import handing
 from torch_ext._loader import _C
 
-# The rules for the next forward's collectives (a ``forward_collectives`` argument), for typing; their names and
-# values are csrc/overlap/window.h's ForwardRule, read from the engine (tests/test_microbatches.py checks that the
-# two name the same rules).
+# The rules for the next forward's collectives (a ``forward_collectives`` argument), for typing; their names are
+# csrc/engine/collective_progress.h's ForwardCollectives, read from the engine (tests/test_microbatches.py checks
+# that the two name the same rules), which parses each hand-over's into the rule it holds.
 ForwardCollectives = Literal[
     "after_backward_collectives", "after_backward", "in_turns_with_backward_collectives", "beside_backward_collectives"
 ]
-_FORWARD_COLLECTIVES: dict[str, int] = _C._overlap_forward_rules
+_FORWARD_COLLECTIVES: tuple[str, ...] = _C._overlap_forward_rules
 
 
 def _checked_rule(forward_collectives: str, api: str) -> ForwardCollectives:
@@ -85,7 +85,7 @@ def _checked_rule(forward_collectives: str, api: str) -> ForwardCollectives:
     unknown one."""
     if forward_collectives not in _FORWARD_COLLECTIVES:
         raise ValueError(
-            f"{api}: forward_collectives must be one of {tuple(_FORWARD_COLLECTIVES)}, not {forward_collectives!r}"
+            f"{api}: forward_collectives must be one of {_FORWARD_COLLECTIVES}, not {forward_collectives!r}"
         )
     return forward_collectives
 
@@ -184,7 +184,7 @@ class MicrobatchOverlap:
         self._saved_rng_state = False
         state = _C._capture_thread_state()
         stream = _current_accelerator_stream()
-        _C._overlap_hand_over(microbatch, _FORWARD_COLLECTIVES[rule])
+        _C._overlap_hand_over(microbatch, rule)
         self._in_flight = microbatch
 
         def job() -> None:

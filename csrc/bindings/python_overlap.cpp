@@ -62,20 +62,23 @@ PyObject* py_overlap_close(PyObject*, PyObject*) {
 
 // _overlap_hand_over(microbatch, rule): the backward of `microbatch` is
 // about to start on the backward thread, the forward's collectives starting
-// by `rule` (a value of _overlap_forward_rules); the previous one has
-// finished.
+// by `rule` (one of _overlap_forward_rules, parsed here into the rule the
+// window holds); the previous one has finished.
 PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   long long microbatch = 0;
-  int rule = 0;
-  if (!PyArg_ParseTuple(args, "Li", &microbatch, &rule)) {
+  const char* name = nullptr;
+  if (!PyArg_ParseTuple(args, "Ls", &microbatch, &name)) {
     return nullptr;
   }
-  TORCH_CHECK(
-      rule >= 0 && rule < static_cast<int>(kForwardRuleNames.size()),
-      "torch_ext: _overlap_hand_over: no forward rule ",
-      rule);
-  hand_over(microbatch, static_cast<ForwardRule>(rule));
+  const std::optional<ForwardCollectives> rule =
+      forward_collectives_named(name);
+  TORCH_CHECK_VALUE(
+      rule.has_value(),
+      "torch_ext: _overlap_hand_over: no forward rule named '",
+      name,
+      "'");
+  hand_over(microbatch, *rule);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -238,22 +241,22 @@ bool init_overlap_bindings(PyObject* module) {
   if (PyModule_AddFunctions(module, overlap_methods) != 0) {
     return false;
   }
-  // {name: value} of each ForwardRule, which torch_ext/microbatch_overlap.py
-  // reads rather than restating them.
-  THPObjectPtr rules(PyDict_New());
+  // The name of each ForwardCollectives, in order, which
+  // torch_ext/microbatch_overlap.py reads rather than restating them.
+  THPObjectPtr rules(
+      PyTuple_New(static_cast<Py_ssize_t>(kForwardCollectivesNames.size())));
   if (!rules) {
     return false;
   }
-  for (size_t value = 0; value < kForwardRuleNames.size(); ++value) {
-    const std::string_view name = kForwardRuleNames[value];
-    THPObjectPtr key(PyUnicode_FromStringAndSize(
+  for (size_t value = 0; value < kForwardCollectivesNames.size(); ++value) {
+    const std::string_view name = kForwardCollectivesNames[value];
+    PyObject* key = PyUnicode_FromStringAndSize(
         name.data(),
-        static_cast<Py_ssize_t>(name.size())));
-    THPObjectPtr number(PyLong_FromSize_t(value));
-    if (!key || !number ||
-        PyDict_SetItem(rules.get(), key.get(), number.get()) != 0) {
+        static_cast<Py_ssize_t>(name.size()));
+    if (key == nullptr) {
       return false;
     }
+    PyTuple_SET_ITEM(rules.get(), static_cast<Py_ssize_t>(value), key);
   }
   // A RuntimeError, so that code catching the gate's errors as before still
   // does; torch_ext/microbatch_overlap.py tells it from the others by type.

@@ -12,11 +12,57 @@
 // overlap's collective gate, overlap/collective_gate.h, lets that one through
 // and refuses the others).
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <optional>
+#include <string_view>
 #include <utility>
 
 namespace torch_ext {
+
+// When the forward thread's collectives may start, beside a backward
+// (overlap_microbatches' forward_collectives, named as there).
+enum class ForwardCollectives : uint8_t {
+  // Once the backward has started every collective its plan holds.
+  kAfterBackwardCollectives = 0,
+  // Once the whole backward has finished.
+  kAfterBackward = 1,
+  // In turns with the backward's planned collectives, where the backward's
+  // take turns (in sequence); otherwise as kAfterBackwardCollectives.
+  kInTurnsWithBackwardCollectives = 2,
+  // At once: the backward's collectives go to a twin of their group, which
+  // the forward's never use (gloo groups only).
+  kBesideBackwardCollectives = 3,
+};
+
+// Each rule's name in overlap_microbatches' forward_collectives, indexed by
+// its value: the one list of them, which torch_ext/microbatch_overlap.py
+// reads (torch_ext._C._overlap_forward_rules).
+inline constexpr std::array<std::string_view, 4> kForwardCollectivesNames = {
+    "after_backward_collectives",
+    "after_backward",
+    "in_turns_with_backward_collectives",
+    "beside_backward_collectives"};
+static_assert(
+    kForwardCollectivesNames.size() ==
+    static_cast<size_t>(ForwardCollectives::kBesideBackwardCollectives) + 1);
+
+inline std::string_view name_of(ForwardCollectives rule) {
+  return kForwardCollectivesNames[static_cast<size_t>(rule)];
+}
+
+// The rule named `name`, or nullopt for none.
+inline std::optional<ForwardCollectives> forward_collectives_named(
+    std::string_view name) {
+  for (size_t value = 0; value < kForwardCollectivesNames.size(); ++value) {
+    if (kForwardCollectivesNames[value] == name) {
+      return static_cast<ForwardCollectives>(value);
+    }
+  }
+  return std::nullopt;
+}
 
 class CollectiveProgress {
  public:

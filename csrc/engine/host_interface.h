@@ -108,7 +108,7 @@ class Host {
   // The registered name of the twin of the process group registered as
   // `group_name`: a gloo group of the same ranks, on which a backward beside
   // the next microbatch's forward issues that group's collectives
-  // (overlap/window.h, ForwardRule::kBesideOnTwinGroups). Throws for a group
+  // (ForwardCollectives::kBesideBackwardCollectives). Throws for a group
   // that has none (not gloo).
   virtual std::string twin_group_name(const std::string& group_name) = 0;
   // Makes an error raised by the collective node `fn` name it and where it

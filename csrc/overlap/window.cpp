@@ -60,7 +60,7 @@ void HandedBackward::planned(size_t count, bool in_turns) {
   Window& w = window();
   std::lock_guard<std::mutex> lock(w.mutex);
   planned_count = count;
-  this->in_turns = forward_takes_turns && in_turns;
+  backward_takes_turns = in_turns;
   w.changed.notify_all();
 }
 
@@ -144,7 +144,7 @@ void close_window() {
   w.changed.notify_all();
 }
 
-void hand_over(int64_t microbatch, ForwardRule rule) {
+void hand_over(int64_t microbatch, ForwardCollectives rule) {
   check_forward_thread("hand_over");
   Window& w = window();
   std::lock_guard<std::mutex> lock(w.mutex);
