@@ -2,7 +2,8 @@
 // microbatch_overlap.py): its calls turned into the window's (overlap/window.h;
 // the rule lives there and in overlap/collective_gate.h, which the window
 // installs and Python never calls), the host's answers to the
-// questions the overlap asks (PythonHost's methods), the forward rules' names
+// questions the overlap asks (PythonHost's methods), the forward rules' names,
+// the handed backward's type (what a call's context holds of the overlap)
 // and the gate's error type for Python, and the caller's thread-local state
 // carried to the backward thread.
 
@@ -18,6 +19,7 @@
 
 #include <exception>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -60,10 +62,56 @@ PyObject* py_overlap_close(PyObject*, PyObject*) {
   END_HANDLE_TH_ERRORS
 }
 
-// _overlap_hand_over(microbatch, rule): the backward of `microbatch` is
-// about to start on the backward thread, the forward's collectives starting
-// by `rule` (one of _overlap_forward_rules, parsed here into the rule the
-// window holds); the previous one has finished.
+// torch_ext._C.HandedBackward: the window's record of one backward handed
+// over (overlap/window.h), which Python passes to that backward's engine call
+// (handed=) to become its CallContext::beside_forward. A plain CPython type
+// holding a C++ shared_ptr, as SplitState is.
+struct PyHandedBackward {
+  PyObject_HEAD
+  std::shared_ptr<HandedBackward> handed;
+};
+
+PyTypeObject handed_backward_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+void handed_backward_dealloc(PyObject* self) {
+  reinterpret_cast<PyHandedBackward*>(self)->handed.~shared_ptr();
+  Py_TYPE(self)->tp_free(self);
+}
+
+const HandedBackward& handed_of(PyObject* self) {
+  return *reinterpret_cast<PyHandedBackward*>(self)->handed;
+}
+
+PyObject* handed_backward_microbatch(PyObject* self, void*) {
+  return PyLong_FromLongLong(handed_of(self).microbatch);
+}
+
+PyObject* handed_backward_forward_collectives(PyObject* self, void*) {
+  const std::string_view name = name_of(handed_of(self).rule);
+  return PyUnicode_FromStringAndSize(
+      name.data(),
+      static_cast<Py_ssize_t>(name.size()));
+}
+
+PyGetSetDef handed_backward_getset[] = {
+    {"microbatch",
+     handed_backward_microbatch,
+     nullptr,
+     "The microbatch whose backward this is.",
+     nullptr},
+    {"forward_collectives",
+     handed_backward_forward_collectives,
+     nullptr,
+     "When the next forward's collectives may start beside it: a "
+     "forward_collectives name.",
+     nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+// _overlap_hand_over(microbatch, rule) -> HandedBackward: the backward of
+// `microbatch` is about to start on the backward thread, the forward's
+// collectives starting by `rule` (one of _overlap_forward_rules, parsed here
+// into the rule the window and the call hold); the previous one has
+// finished.
 PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   long long microbatch = 0;
@@ -78,17 +126,16 @@ PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
       "torch_ext: _overlap_hand_over: no forward rule named '",
       name,
       "'");
-  hand_over(microbatch, *rule);
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-// _overlap_report_next_call(): on the backward thread, just before the
-// handed backward's engine call.
-PyObject* py_overlap_report_next_call(PyObject*, PyObject*) {
-  HANDLE_TH_ERRORS
-  report_next_call_to_window();
-  Py_RETURN_NONE;
+  PyObject* handed = handed_backward_type.tp_alloc(&handed_backward_type, 0);
+  if (handed == nullptr) {
+    return nullptr;
+  }
+  new (&reinterpret_cast<PyHandedBackward*>(handed)->handed)
+      std::shared_ptr<HandedBackward>();
+  THPObjectPtr owned(handed);
+  reinterpret_cast<PyHandedBackward*>(handed)->handed =
+      hand_over(microbatch, *rule);
+  return owned.release();
   END_HANDLE_TH_ERRORS
 }
 
@@ -175,10 +222,6 @@ PyMethodDef overlap_methods[] = {
     {"_overlap_open", py_overlap_open, METH_NOARGS, nullptr},
     {"_overlap_close", py_overlap_close, METH_NOARGS, nullptr},
     {"_overlap_hand_over", py_overlap_hand_over, METH_VARARGS, nullptr},
-    {"_overlap_report_next_call",
-     py_overlap_report_next_call,
-     METH_NOARGS,
-     nullptr},
     {"_overlap_finish", py_overlap_finish, METH_O, nullptr},
     {"_overlap_wait", py_overlap_wait, METH_NOARGS, nullptr},
     {"_overlap_enter_rng_section",
@@ -194,6 +237,18 @@ PyMethodDef overlap_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 } // namespace
+
+std::shared_ptr<CollectiveProgress> handed_backward_from_python(
+    PyObject* handed) {
+  if (handed == nullptr || handed == Py_None) {
+    return nullptr;
+  }
+  TORCH_CHECK_TYPE(
+      Py_TYPE(handed) == &handed_backward_type,
+      "handed must be a torch_ext._C.HandedBackward or None, but got ",
+      Py_TYPE(handed)->tp_name);
+  return reinterpret_cast<PyHandedBackward*>(handed)->handed;
+}
 
 std::exception_ptr PythonHost::forward_stopped_by_backward(
     std::string message) {
@@ -241,6 +296,17 @@ bool init_overlap_bindings(PyObject* module) {
   if (PyModule_AddFunctions(module, overlap_methods) != 0) {
     return false;
   }
+  handed_backward_type.tp_name = "torch_ext._C.HandedBackward";
+  handed_backward_type.tp_basicsize = sizeof(PyHandedBackward);
+  handed_backward_type.tp_dealloc = handed_backward_dealloc;
+  handed_backward_type.tp_getset = handed_backward_getset;
+  handed_backward_type.tp_flags = Py_TPFLAGS_DEFAULT;
+  handed_backward_type.tp_doc =
+      "One backward handed to torch_ext.overlap_microbatches' backward "
+      "thread, for its engine call's context.";
+  if (PyType_Ready(&handed_backward_type) < 0) {
+    return false;
+  }
   // The name of each ForwardCollectives, in order, which
   // torch_ext/microbatch_overlap.py reads rather than restating them.
   THPObjectPtr rules(
@@ -270,6 +336,10 @@ bool init_overlap_bindings(PyObject* module) {
   return forward_stopped_by_backward &&
       PyModule_AddObjectRef(module, "_overlap_forward_rules", rules.get()) ==
       0 &&
+      PyModule_AddObjectRef(
+          module,
+          "HandedBackward",
+          reinterpret_cast<PyObject*>(&handed_backward_type)) == 0 &&
       PyModule_AddObjectRef(
           module,
           "ForwardStoppedByBackward",

@@ -8,6 +8,7 @@
 
 #include "bindings/python_split.h"
 #include "bindings/python_host.h"
+#include "bindings/python_overlap.h"
 #include "bindings/python_request.h"
 #include "engine/split/batched_accumulation.h"
 #include "engine/split/split_backward.h"
@@ -134,15 +135,18 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
   PyObject* weights = nullptr;
   int keep_graph = 0;
   int allow_unused = 0;
+  // The torch_ext._C.HandedBackward the pass runs as, or None.
+  PyObject* handed = nullptr;
   if (!PyArg_ParseTuple(
           args,
-          "OOOOpp",
+          "OOOOpp|O",
           &outputs,
           &grad_outputs,
           &inputs,
           &weights,
           &keep_graph,
-          &allow_unused)) {
+          &allow_unused,
+          &handed)) {
     return nullptr;
   }
   // The request builder checks outputs, gradients and inputs as grad() does.
@@ -154,7 +158,8 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
        /*create_graph=*/false,
        /*accumulate_grad=*/false},
       allow_unused != 0,
-      /*priorities=*/nullptr);
+      /*priorities=*/nullptr,
+      handed);
   TORCH_CHECK(
       !request.roots.empty(),
       "backward_input: outputs cannot be empty");
@@ -198,7 +203,8 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
         weight_edges,
         weight_tensors,
         keep_graph != 0,
-        allow_unused != 0);
+        allow_unused != 0,
+        std::move(request.context));
   }
   THPObjectPtr input_grads{wrap_tensors(result.input_grads)};
   if (!input_grads) {
@@ -216,7 +222,9 @@ PyObject* py_backward_weight(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* state = nullptr;
   int keep_graph = 0;
-  if (!PyArg_ParseTuple(args, "Op", &state, &keep_graph)) {
+  // The torch_ext._C.HandedBackward the pass runs as, or None.
+  PyObject* handed = nullptr;
+  if (!PyArg_ParseTuple(args, "Op|O", &state, &keep_graph, &handed)) {
     return nullptr;
   }
   TORCH_CHECK_TYPE(
@@ -227,10 +235,11 @@ PyObject* py_backward_weight(PyObject* /*module*/, PyObject* args) {
   // Keeps the state alive while the GIL is released.
   std::shared_ptr<SplitState> split_state =
       reinterpret_cast<PySplitState*>(state)->state;
+  CallContext context{{}, handed_backward_from_python(handed)};
   variable_list grads;
   {
     pybind11::gil_scoped_release no_gil;
-    grads = backward_weight(*split_state, keep_graph != 0);
+    grads = backward_weight(*split_state, keep_graph != 0, std::move(context));
   }
   return wrap_tensors(grads);
   END_HANDLE_TH_ERRORS

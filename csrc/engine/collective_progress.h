@@ -6,11 +6,13 @@
 // when each may start and when each has. The order this serves is the
 // collective order rule (docs/design.md, "The collective order rule").
 //
-// Two thread-locals carry it, so the engine's entry points need no new
-// argument: the target the next call made on this thread reports to, and
-// whether this thread is starting a collective such a call planned (the
-// overlap's collective gate, overlap/collective_gate.h, lets that one through
-// and refuses the others).
+// The call learns that it runs beside a forward from its CallContext
+// (engine/call_context.h), built where the call was asked for. What stays
+// per thread here is what a thread is doing now, which the collective gate
+// (overlap/collective_gate.h) reads inside the dispatcher, where no argument
+// of the call reaches: whether this thread is starting a collective such a
+// call planned (the gate lets that one through and refuses the others), and
+// the lane node it is running.
 
 #include <array>
 #include <cstddef>
@@ -64,9 +66,23 @@ inline std::optional<ForwardCollectives> forward_collectives_named(
   return std::nullopt;
 }
 
+// One backward handed over to run beside the next microbatch's forward, as
+// the call sees it (overlap/window.h's HandedBackward implements it): which
+// it is, and what it reports.
 class CollectiveProgress {
  public:
+  CollectiveProgress(int64_t microbatch, ForwardCollectives rule)
+      : microbatch(microbatch), rule(rule) {}
   virtual ~CollectiveProgress() = default;
+  CollectiveProgress(const CollectiveProgress&) = delete;
+  CollectiveProgress& operator=(const CollectiveProgress&) = delete;
+
+  // The microbatch whose backward this is, and when the next forward's
+  // collectives may start beside it: what the ranks also compare when they
+  // check the collective order (Host::begin_collective_check).
+  const int64_t microbatch;
+  const ForwardCollectives rule;
+
   // The call's plan is made: it starts `count` collectives. `in_turns`:
   // each asks for its turn (may_start) before it is issued, in the plan's
   // order, so the forward's may go between them; otherwise the forward's
@@ -102,7 +118,10 @@ struct IssuingLaneNode {
 };
 
 namespace detail {
-inline thread_local std::shared_ptr<CollectiveProgress> next_call_reports_to;
+// Thread state, not a call's: what this thread is doing now, set for the
+// scope of a planned collective's start (PlannedCollectiveStart) and of the
+// order check's exchange, and read by the collective gate below the
+// dispatcher, on the same thread, within that scope.
 inline thread_local int starting_planned_collective = 0;
 inline thread_local std::shared_ptr<IssuingLaneNode> issuing_lane_node;
 } // namespace detail
@@ -116,17 +135,6 @@ inline IssuingLaneNode* issuing_lane_node() {
 // of its start (PlannedCollectiveStart, engine/planned_collective_start.h).
 inline void set_issuing_lane_node(std::shared_ptr<IssuingLaneNode> node) {
   detail::issuing_lane_node = std::move(node);
-}
-
-// The next torch_ext call made on this thread (a BackwardCall's constructor
-// takes it, so a backward nested inside one of its nodes does not) reports
-// to `progress`.
-inline void report_next_call_to(std::shared_ptr<CollectiveProgress> progress) {
-  detail::next_call_reports_to = std::move(progress);
-}
-
-inline std::shared_ptr<CollectiveProgress> take_report_target() {
-  return std::exchange(detail::next_call_reports_to, nullptr);
 }
 
 // Whether this thread is starting a collective that a reporting call planned

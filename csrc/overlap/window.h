@@ -36,10 +36,11 @@
 
 namespace torch_ext {
 
-// One backward handed to the backward thread.
+// One backward handed to the backward thread: the call it starts (its
+// CallContext::beside_forward) reports here. Its microbatch and rule are
+// CollectiveProgress's.
 struct HandedBackward final : CollectiveProgress {
-  HandedBackward(int64_t microbatch, ForwardCollectives rule)
-      : microbatch(microbatch), rule(rule) {}
+  using CollectiveProgress::CollectiveProgress;
 
   void planned(size_t count, bool in_turns) override;
   void may_start(size_t place) override;
@@ -77,9 +78,6 @@ struct HandedBackward final : CollectiveProgress {
         backward_takes_turns;
   }
 
-  const int64_t microbatch;
-  // When the forward's collectives may start beside this backward.
-  const ForwardCollectives rule;
   std::optional<size_t> planned_count;
   // The backward's collectives wait for their turns (planned()'s in_turns):
   // the call holds them to its plan's order.
@@ -136,11 +134,11 @@ void open_window();
 void close_window();
 // The backward of `microbatch` is about to start on the backward thread,
 // the forward's collectives starting by `rule`; the previous one has
-// finished.
-void hand_over(int64_t microbatch, ForwardCollectives rule);
-// On the backward thread, just before the handed backward's engine call:
-// that call reports its collectives to the window.
-void report_next_call_to_window();
+// finished. Returns the window's record of it, which the backward's engine
+// call is given in its CallContext (engine/call_context.h) and reports to.
+std::shared_ptr<HandedBackward> hand_over(
+    int64_t microbatch,
+    ForwardCollectives rule);
 // On the backward thread, when the handed backward returned (`error`
 // nullopt) or raised (`error` says what).
 void finish_handed_backward(const std::optional<std::string>& error);
