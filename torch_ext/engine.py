@@ -230,7 +230,7 @@ def _taken_by_an_entry_hook(call: _EngineCall) -> bool:
 # and grad, an overlap's backward thread) and taken by the engine's entry (the router, split backward's passes),
 # which passes it to the engine whole; None outside a route. The one place Python keeps a call's own state on its
 # way to the engine: every route reaches the engine through torch.autograd's engine call, which takes no more
-# arguments.
+# arguments. tests/test_layering.py keeps it the only one.
 _thread = threading.local()
 
 
