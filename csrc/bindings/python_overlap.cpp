@@ -9,6 +9,7 @@
 
 #include "bindings/python_overlap.h"
 #include "bindings/python_host.h"
+#include "bindings/python_shared_object.h"
 #include "engine/caller_thread_state.h"
 #include "overlap/window.h"
 
@@ -19,7 +20,6 @@
 
 #include <exception>
 #include <memory>
-#include <new>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -64,22 +64,13 @@ PyObject* py_overlap_close(PyObject*, PyObject*) {
 
 // torch_ext._C.HandedBackward: the window's record of one backward handed
 // over (overlap/window.h), which Python passes to that backward's engine call
-// (handed=) to become its CallContext::beside_forward. A plain CPython type
-// holding a C++ shared_ptr, as SplitState is.
-struct PyHandedBackward {
-  PyObject_HEAD
-  std::shared_ptr<HandedBackward> handed;
-};
+// (handed=) to become its CallContext::beside_forward.
+using PyHandedBackward = PySharedObject<HandedBackward>;
 
 PyTypeObject handed_backward_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-void handed_backward_dealloc(PyObject* self) {
-  reinterpret_cast<PyHandedBackward*>(self)->handed.~shared_ptr();
-  Py_TYPE(self)->tp_free(self);
-}
-
 const HandedBackward& handed_of(PyObject* self) {
-  return *reinterpret_cast<PyHandedBackward*>(self)->handed;
+  return *PyHandedBackward::of(self);
 }
 
 PyObject* handed_backward_microbatch(PyObject* self, void*) {
@@ -126,16 +117,14 @@ PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
       "torch_ext: _overlap_hand_over: no forward rule named '",
       name,
       "'");
-  PyObject* handed = handed_backward_type.tp_alloc(&handed_backward_type, 0);
-  if (handed == nullptr) {
+  // Made before the hand-over, which a failure to make it must not leave
+  // behind with no backward to run.
+  THPObjectPtr handed(PyHandedBackward::wrap(handed_backward_type, nullptr));
+  if (!handed) {
     return nullptr;
   }
-  new (&reinterpret_cast<PyHandedBackward*>(handed)->handed)
-      std::shared_ptr<HandedBackward>();
-  THPObjectPtr owned(handed);
-  reinterpret_cast<PyHandedBackward*>(handed)->handed =
-      hand_over(microbatch, *rule);
-  return owned.release();
+  PyHandedBackward::of(handed.get()) = hand_over(microbatch, *rule);
+  return handed.release();
   END_HANDLE_TH_ERRORS
 }
 
@@ -247,7 +236,7 @@ std::shared_ptr<CollectiveProgress> handed_backward_from_python(
       Py_TYPE(handed) == &handed_backward_type,
       "handed must be a torch_ext._C.HandedBackward or None, but got ",
       Py_TYPE(handed)->tp_name);
-  return reinterpret_cast<PyHandedBackward*>(handed)->handed;
+  return PyHandedBackward::of(handed);
 }
 
 std::exception_ptr PythonHost::forward_stopped_by_backward(
@@ -296,14 +285,12 @@ bool init_overlap_bindings(PyObject* module) {
   if (PyModule_AddFunctions(module, overlap_methods) != 0) {
     return false;
   }
-  handed_backward_type.tp_name = "torch_ext._C.HandedBackward";
-  handed_backward_type.tp_basicsize = sizeof(PyHandedBackward);
-  handed_backward_type.tp_dealloc = handed_backward_dealloc;
-  handed_backward_type.tp_getset = handed_backward_getset;
-  handed_backward_type.tp_flags = Py_TPFLAGS_DEFAULT;
-  handed_backward_type.tp_doc =
+  PyHandedBackward::init_type(
+      handed_backward_type,
+      "torch_ext._C.HandedBackward",
       "One backward handed to torch_ext.overlap_microbatches' backward "
-      "thread, for its engine call's context.";
+      "thread, for its engine call's context.");
+  handed_backward_type.tp_getset = handed_backward_getset;
   if (PyType_Ready(&handed_backward_type) < 0) {
     return false;
   }
