@@ -1,8 +1,9 @@
 """csrc/'s folders are layers (docs/internals.md, "Layout"): collectives/ -> engine/ -> overlap/ -> bindings/, each
 including only the ones before it, as engine/'s own folders do (plan/ -> host/ -> run/ -> split/); only bindings/
 includes Python. In the Python package (and in benchmarks/) no two modules import each other, directly or round a
-longer circle; benchmarks/harness/ imports no benchmark, and no benchmark another. Reads the sources; needs no built
-engine."""
+longer circle; benchmarks/harness/ imports no benchmark, and no benchmark another. No thread-local carries a call's
+own state from one language to the other: each one in csrc/ and in the package is listed below with why it is one.
+Reads the sources; needs no built engine."""
 
 import ast
 import re
@@ -276,3 +277,88 @@ def test_the_harness_is_below_the_benchmarks():
         for module, imported in benchmarks.items()
     }
     assert {module: names for module, names in reaching.items() if names} == {}
+
+
+# Every thread-local of csrc/ and of the package, with why it belongs to a thread. A call's own state (its
+# priorities, the overlap's backward it is) travels in the call's context, built where the call is asked for and
+# passed down (csrc/engine/call_context.h; torch_ext/engine.py's _CallContext), never in a thread-local that one
+# side sets for the other to read at the next call. A new thread-local fails here until it is listed with its reason.
+CXX_THREAD_LOCALS = {
+    ("engine/plan/plan_cache.cpp", "thread_cache"): "this thread's plans kept for replay: a cache, no call's options",
+    ("engine/trace.cpp", "tid"): "this thread's id, for trace events",
+    ("engine/run/running_node.h", "running_node"): (
+        "the node this thread runs now, for code that runs inside it (a collective's backward formula handing over "
+        "its result, the current execution order)"
+    ),
+    ("engine/collective_progress.h", "starting_planned_collective"): (
+        "this thread is starting a planned collective now: set by the engine, read by the collective gate below the "
+        "dispatcher on the same thread within that scope, where no argument of the call reaches"
+    ),
+    ("engine/collective_progress.h", "issuing_lane_node"): (
+        "the lane node this thread starts now: set and read as starting_planned_collective"
+    ),
+    ("bindings/python_bindings.cpp", "ThreadLocalPythonObjects"): (
+        "stock's stash of the caller's contextvars for the length of an engine call (_engine_run_backward's), made "
+        "as stock's Python makes it, for torch's readers"
+    ),
+}
+PYTHON_THREAD_LOCALS = {
+    ("torch_ext/engine.py", "_thread"): (
+        "the next engine call's context (_CallContext), set by a route and taken by the engine's entry, which passes "
+        "it on whole: torch.autograd's engine call, which every route goes through, takes no more arguments"
+    ),
+    ("torch_ext/microbatch_overlap.py", "_RngSections"): "a backward-side thread's RNG section",
+    ("torch_ext/verify/_session.py", "_inside"): "this thread is inside a backward call that verify records",
+}
+CXX_THREAD_LOCAL = re.compile(r"\bthread_local\b[^;=({]*?\b(\w+)\s*(?:=|;|\{)|\b(ThreadLocalPythonObjects)::set\b")
+
+
+def cxx_thread_locals() -> set[tuple[str, str]]:
+    """(file under csrc/, name) of every thread_local variable, and of every use of torch's thread-local Python
+    objects."""
+    found = set()
+    for path in sorted(CSRC.rglob("*")):
+        if path.suffix not in {".h", ".cpp"}:
+            continue
+        for line in path.read_text().splitlines():
+            for match in CXX_THREAD_LOCAL.finditer(line.split("//", 1)[0]):
+                found.add((str(path.relative_to(CSRC)), match.group(1) or match.group(2)))
+    return found
+
+
+def python_thread_locals() -> set[tuple[str, str]]:
+    """(file, name) of every ``threading.local()`` the package makes (the name it is assigned to) and every class
+    derived from ``threading.local``."""
+
+    def is_threading_local(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "local" and getattr(node.value, "id", "") == "threading"
+
+    found = set()
+    for path in sorted((ROOT / "torch_ext").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.ClassDef) and any(is_threading_local(base) for base in node.bases):
+                name = node.name
+            elif (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and is_threading_local(node.value.func)
+            ):
+                target = node.targets[0]
+                name = target.attr if isinstance(target, ast.Attribute) else target.id
+            if name is not None:
+                found.add((str(path.relative_to(ROOT)), name))
+    return found
+
+
+def test_every_thread_local_is_a_threads_not_a_calls():
+    # The checks see thread-locals at all.
+    assert (
+        CXX_THREAD_LOCAL.search("inline thread_local std::shared_ptr<Foo> next_call = nullptr;").group(1) == "next_call"
+    )
+    assert ("engine/run/running_node.h", "running_node") in cxx_thread_locals()
+    assert ("torch_ext/engine.py", "_thread") in python_thread_locals()
+    assert cxx_thread_locals() == set(CXX_THREAD_LOCALS), "a thread-local not listed, with its reason, or one gone"
+    assert python_thread_locals() == set(PYTHON_THREAD_LOCALS), (
+        "a thread-local not listed, with its reason, or one gone"
+    )

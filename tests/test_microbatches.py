@@ -22,7 +22,6 @@ from torch import nn
 from torch.autograd.variable import Variable
 
 import torch_ext
-from torch_ext._handed_backward import handed_backward
 from torch_ext._loader import _C
 from torch_ext.microbatch_overlap import ForwardCollectives
 
@@ -287,33 +286,39 @@ def test_deferring_hands_over_torch_ext_backward_and_raises_argument_errors_at_o
 
 
 def test_the_forward_rules_typed_in_python_are_the_engines():
-    # ForwardCollectives types the argument; the names and values are C++'s (csrc/overlap/window.h).
+    # ForwardCollectives types the argument; the names, in order, are C++'s (csrc/engine/collective_progress.h).
     assert get_args(ForwardCollectives) == tuple(_C._overlap_forward_rules)
 
 
-def _rules_handed_over(window_rule: str | None, *rules: str | None) -> list[str]:
-    """The rule each ``backward_by`` call ran under, one call per entry of ``rules`` (its ``forward_collectives``,
-    None for none) in a window opened with ``window_rule`` (None: the default)."""
+def _rules_handed_over(monkeypatch, window_rule: str | None, *rules: str | None) -> list[tuple[int, str]]:
+    """The microbatch and rule each ``backward_by`` call ran under, as its engine call's context gave them to the
+    engine, one call per entry of ``rules`` (its ``forward_collectives``, None for none) in a window opened with
+    ``window_rule`` (None: the default)."""
     seen = []
     x = torch.ones(2, requires_grad=True)
+    run_backward = _C.run_backward
+
+    def recording_run_backward(*args, handed=None, **kwargs):
+        seen.append((handed.microbatch, handed.forward_collectives))
+        return run_backward(*args, handed=handed, **kwargs)
 
     def backward() -> None:
-        seen.append(handed_backward()[1])
         (x * 2).sum().backward()
 
     opened = torch_ext.overlap_microbatches() if window_rule is None else torch_ext.overlap_microbatches(window_rule)
-    with opened as overlap:
+    with monkeypatch.context() as patched, opened as overlap:
+        patched.setattr(_C, "run_backward", recording_run_backward)
         for rule in rules:
             overlap.backward_by(backward, **({} if rule is None else {"forward_collectives": rule}))
     assert torch.equal(x.grad, torch.full((2,), 2.0 * len(rules)))
     return seen
 
 
-def test_backward_by_takes_the_windows_rule_unless_it_passes_its_own():
-    assert _rules_handed_over(None, None, "after_backward") == ["after_backward_collectives", "after_backward"]
-    in_turns = "in_turns_with_backward_collectives"
-    assert _rules_handed_over(in_turns, None, "after_backward_collectives") == [in_turns, "after_backward_collectives"]
-    assert _rules_handed_over("after_backward", None) == ["after_backward"]
+def test_backward_by_takes_the_windows_rule_unless_it_passes_its_own(monkeypatch):
+    default, in_turns = "after_backward_collectives", "in_turns_with_backward_collectives"
+    assert _rules_handed_over(monkeypatch, None, None, "after_backward") == [(0, default), (1, "after_backward")]
+    assert _rules_handed_over(monkeypatch, in_turns, None, default) == [(0, in_turns), (1, default)]
+    assert _rules_handed_over(monkeypatch, "after_backward", None) == [(0, "after_backward")]
 
 
 def test_bad_arguments_are_named():

@@ -110,18 +110,36 @@ def _warn_once_compiled_autograd_takes_backward() -> None:
         )
 
 
-def _run_on_torch_ext(args: tuple, kwargs: dict, overrides) -> tuple | None:
-    """``_EngineBase.run_backward(*args, **kwargs)`` on torch_ext's engine, with the call's priorities. The caller has
-    sent a traced call (:func:`_is_traced_call`) to the stock engine already: the router before its entry hooks (so
-    a call a hook took is not traced either), ``Engine.run_backward`` itself."""
+class _CallContext:
+    """What one call of torch_ext's engine is asked for beside ``torch.autograd``'s arguments, passed to the engine
+    whole, which holds it as the call's ``CallContext`` (csrc/engine/call_context.h): the call's own priorities
+    (``[(node, priority, propagate)]``, :func:`torch_ext.priority.priority_overrides`'s) and, for the backward
+    :func:`torch_ext.overlap_microbatches` handed to its backward thread, the window's record of it (a
+    ``torch_ext._C.HandedBackward``: its microbatch and the rule for the next forward's collectives), else None."""
+
+    __slots__ = ("handed", "priorities")
+
+    def __init__(self, priorities: list, handed=None) -> None:
+        self.priorities = priorities
+        self.handed = handed
+
+
+def _run_on_torch_ext(args: tuple, kwargs: dict, context: _CallContext | None) -> tuple | None:
+    """``_EngineBase.run_backward(*args, **kwargs)`` on torch_ext's engine, with the call's context (None: none of
+    its own). The caller has sent a traced call (:func:`_is_traced_call`) to the stock engine already: the router
+    before its entry hooks (so a call a hook took is not traced either), ``Engine.run_backward`` itself."""
     if _compiled_autograd_enabled():
-        if overrides:
+        if context is not None and context.priorities:
             raise RuntimeError(
                 "torch_ext: priorities= cannot apply under compiled autograd, whose backward runs on the stock engine"
             )
         _warn_once_compiled_autograd_takes_backward()
         return _STOCK_ENGINE.run_backward(*args, **kwargs)
-    return _C.run_backward(*args, **kwargs, priorities=overrides)
+    if context is None:
+        return _C.run_backward(*args, **kwargs)
+    if context.handed is None:  # one keyword fewer to parse on every call but the overlap's
+        return _C.run_backward(*args, **kwargs, priorities=context.priorities)
+    return _C.run_backward(*args, **kwargs, priorities=context.priorities, handed=context.handed)
 
 
 class Engine:
@@ -138,10 +156,10 @@ class Engine:
         ``priorities`` (``{tensor, Node or GradientEdge: int}``) apply to this call only, as for
         :func:`torch_ext.backward`.
         """
-        overrides = priority_overrides(priorities, "Engine.run_backward")
+        context = _CallContext(priority_overrides(priorities, "Engine.run_backward"))
         if _is_traced_call(args, kwargs):
             return _STOCK_ENGINE.run_backward(*args, **kwargs)  # priorities do not apply to a traced call
-        return _run_on_torch_ext(args, kwargs, overrides)
+        return _run_on_torch_ext(args, kwargs, context)
 
     def queue_callback(self, callback) -> None:
         """Runs ``callback`` when the current backward pass finishes (as DDP and FSDP do)."""
@@ -153,15 +171,15 @@ class Engine:
 
 class _EngineCall:
     """One call of ``run_backward`` that reached the router, as ``torch.autograd.backward`` or ``grad`` made it
-    (the roots, their gradients, keep_graph, create_graph, inputs, ...), with the priorities of the route it came
-    by (None off any route)."""
+    (the roots, their gradients, keep_graph, create_graph, inputs, ...), with the context of the route it came by
+    (None off any route)."""
 
-    __slots__ = ("args", "kwargs", "overrides")
+    __slots__ = ("args", "context", "kwargs")
 
-    def __init__(self, args: tuple, kwargs: dict, overrides) -> None:
+    def __init__(self, args: tuple, kwargs: dict, context: _CallContext | None) -> None:
         self.args = args
         self.kwargs = kwargs
-        self.overrides = overrides
+        self.context = context
 
     @property
     def roots(self) -> tuple:
@@ -174,10 +192,14 @@ class _EngineCall:
             return bool(self.kwargs["accumulate_grad"])
         return len(self.args) > 6 and bool(self.args[6])
 
-    def run_on_torch_ext(self) -> tuple | None:
+    def run_on_torch_ext(self, handed=None) -> tuple | None:
         """The call, on torch_ext's engine (stock's under compiled autograd) whichever route it came by, on this
-        thread."""
-        return _run_on_torch_ext(self.args, self.kwargs, self.overrides)
+        thread; ``handed``, when an overlap hands the call to its backward thread: the window's record of it (a
+        ``torch_ext._C.HandedBackward``), which joins the call's context."""
+        context = self.context
+        if handed is not None:
+            context = _CallContext([] if context is None else context.priorities, handed)
+        return _run_on_torch_ext(self.args, self.kwargs, context)
 
 
 # hook(call) for each registered backward-entry hook, in registration order (see _register_backward_entry_hook);
@@ -204,18 +226,30 @@ def _taken_by_an_entry_hook(call: _EngineCall) -> bool:
     return any(hook(call) for hook in tuple(_backward_entry_hooks.values()))
 
 
-# The priorities of the torch_ext.backward/grad call this thread is inside and whose engine call has not
-# started yet ([] for none given); None outside such a call.
+# next_call: the context of the next engine call on this thread (a _CallContext), set by a route (torch_ext.backward
+# and grad, an overlap's backward thread) and taken by the engine's entry (the router, split backward's passes),
+# which passes it to the engine whole; None outside a route. The one place Python keeps a call's own state on its
+# way to the engine: every route reaches the engine through torch.autograd's engine call, which takes no more
+# arguments. tests/test_layering.py keeps it the only one.
 _thread = threading.local()
+
+
+def _take_next_call_context() -> _CallContext | None:
+    """This thread's next call's context (see ``_thread``), taken for the engine call starting now: a backward
+    nested inside that call's nodes does not see it."""
+    context = getattr(_thread, "next_call", None)
+    _thread.next_call = None
+    return context
 
 
 class _Router:
     """``Variable._execution_engine`` once torch_ext has been used: torch_ext's engine or the replaced one.
 
     A call goes to torch_ext's engine when its thread is inside torch_ext.backward/grad or :func:`enable`
-    is on; any other call, on any thread, to the engine this router replaced. The route's priorities are
-    taken at entry, so a backward nested inside a node (a reentrant checkpoint) does not see them. The
-    backward-entry hooks see every call first, and may take it over (:func:`_register_backward_entry_hook`).
+    is on; any other call, on any thread, to the engine this router replaced. The route's context (its
+    priorities, the overlap's handed backward) is taken at entry, so a backward nested inside a node (a
+    reentrant checkpoint) does not see it. The backward-entry hooks see every call first, and may take it over
+    (:func:`_register_backward_entry_hook`).
     """
 
     def __init__(self, replaced) -> None:
@@ -223,17 +257,18 @@ class _Router:
         self.enabled_depth = 0
 
     def run_backward(self, *args, **kwargs):
-        overrides = getattr(_thread, "overrides", None)
-        _thread.overrides = None
-        routed = overrides is not None or self.enabled_depth
+        # _take_next_call_context, inline: every call through the router pays it.
+        context = getattr(_thread, "next_call", None)
+        _thread.next_call = None
+        routed = context is not None or self.enabled_depth
         # A traced call goes to the replaced engine before the entry hooks: none may take it to another thread.
         if (not routed and not _backward_entry_hooks) or _is_traced_call(args, kwargs):
             return self.replaced.run_backward(*args, **kwargs)
-        if _backward_entry_hooks and _taken_by_an_entry_hook(_EngineCall(args, kwargs, overrides)):
+        if _backward_entry_hooks and _taken_by_an_entry_hook(_EngineCall(args, kwargs, context)):
             return None
         if not routed:
             return self.replaced.run_backward(*args, **kwargs)
-        return _run_on_torch_ext(args, kwargs, overrides)
+        return _run_on_torch_ext(args, kwargs, context)
 
     def queue_callback(self, callback) -> None:
         return self.replaced.queue_callback(callback)
@@ -258,26 +293,27 @@ def _installed_router() -> _Router:
 
 
 class _routed:  # lower case: used like a function, `with _routed(priorities, api):`
-    """Sends this thread's next torch.autograd engine call to torch_ext's engine, with ``priorities``.
+    """Sends this thread's next torch.autograd engine call to torch_ext's engine, with its context: ``priorities``
+    and, for a backward an overlap handed to its backward thread, ``handed`` (a ``torch_ext._C.HandedBackward``).
 
     A class rather than a @contextlib.contextmanager generator: entering and leaving it is part of every
     call's fixed cost (engine_overhead.py's fixed_cost case), and the generator cost 1.3 us more per call
     here (torch_ext.backward on a 3-op graph: 22.7 -> 21.4 us, stock 22.1 us).
     """
 
-    __slots__ = ("_outer", "_overrides")
+    __slots__ = ("_context", "_outer")
 
-    def __init__(self, priorities, api: str) -> None:
-        self._overrides = priority_overrides(priorities, api) or []
+    def __init__(self, priorities, api: str, handed=None) -> None:
+        self._context = _CallContext(priority_overrides(priorities, api) or [], handed)
         if _router is None:
             _installed_router()
 
     def __enter__(self) -> None:
-        self._outer = getattr(_thread, "overrides", None)
-        _thread.overrides = self._overrides
+        self._outer = getattr(_thread, "next_call", None)
+        _thread.next_call = self._context
 
     def __exit__(self, *exc_info) -> None:
-        _thread.overrides = self._outer
+        _thread.next_call = self._outer
 
 
 def enable() -> Undo:

@@ -68,16 +68,15 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_ext import engine as _engine
-from torch_ext._handed_backward import handing
 from torch_ext._loader import _C
 
-# The rules for the next forward's collectives (a ``forward_collectives`` argument), for typing; their names and
-# values are csrc/overlap/window.h's ForwardRule, read from the engine (tests/test_microbatches.py checks that the
-# two name the same rules).
+# The rules for the next forward's collectives (a ``forward_collectives`` argument), for typing; their names are
+# csrc/engine/collective_progress.h's ForwardCollectives, read from the engine (tests/test_microbatches.py checks
+# that the two name the same rules), which parses each hand-over's into the rule it holds.
 ForwardCollectives = Literal[
     "after_backward_collectives", "after_backward", "in_turns_with_backward_collectives", "beside_backward_collectives"
 ]
-_FORWARD_COLLECTIVES: dict[str, int] = _C._overlap_forward_rules
+_FORWARD_COLLECTIVES: tuple[str, ...] = _C._overlap_forward_rules
 
 
 def _checked_rule(forward_collectives: str, api: str) -> ForwardCollectives:
@@ -85,7 +84,7 @@ def _checked_rule(forward_collectives: str, api: str) -> ForwardCollectives:
     unknown one."""
     if forward_collectives not in _FORWARD_COLLECTIVES:
         raise ValueError(
-            f"{api}: forward_collectives must be one of {tuple(_FORWARD_COLLECTIVES)}, not {forward_collectives!r}"
+            f"{api}: forward_collectives must be one of {_FORWARD_COLLECTIVES}, not {forward_collectives!r}"
         )
     return forward_collectives
 
@@ -134,8 +133,8 @@ class MicrobatchOverlap:
             torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
             return
 
-        def run() -> None:
-            with _engine._routed(priorities, "MicrobatchOverlap.backward"):
+        def run(handed: _C.HandedBackward) -> None:
+            with _engine._routed(priorities, "MicrobatchOverlap.backward", handed):
                 _engine._STOCK_BACKWARD(tensors, grad_tensors, retain_graph, create_graph, inputs=inputs)
 
         self._hand_over(run, self._forward_rule)
@@ -164,17 +163,19 @@ class MicrobatchOverlap:
             else _checked_rule(forward_collectives, "torch_ext: MicrobatchOverlap.backward_by")
         )
 
-        def run() -> None:
-            with _engine._routed(None, "MicrobatchOverlap.backward_by"):
+        def run(handed: _C.HandedBackward) -> None:
+            with _engine._routed(None, "MicrobatchOverlap.backward_by", handed):
                 backward()
 
         self._hand_over(run, rule)
 
-    def _hand_over(self, run: Callable[[], None], rule: ForwardCollectives) -> None:
-        """Waits for the backward in flight, then starts ``run`` on the backward thread under this thread's
+    def _hand_over(self, run: Callable[[_C.HandedBackward], object], rule: ForwardCollectives) -> None:
+        """Waits for the backward in flight, then starts ``run(handed)`` on the backward thread under this thread's
         thread-local state and numerics (its intra-op thread counts and floating-point controls, taken now, so a
         ``torch.set_num_threads`` between steps reaches the next backward), the next forward's collectives
-        starting by ``rule``."""
+        starting by ``rule``. ``handed`` is the window's record of this backward, for the context of the engine
+        call ``run`` makes: that call reports its collectives to the window, and the order check compares its
+        microbatch and rule."""
         self.wait()
         microbatch = self._microbatch
         self._microbatch += 1
@@ -184,7 +185,7 @@ class MicrobatchOverlap:
         self._saved_rng_state = False
         state = _C._capture_thread_state()
         stream = _current_accelerator_stream()
-        _C._overlap_hand_over(microbatch, _FORWARD_COLLECTIVES[rule])
+        handed = _C._overlap_hand_over(microbatch, rule)
         self._in_flight = microbatch
 
         def job() -> None:
@@ -193,8 +194,7 @@ class MicrobatchOverlap:
                 # backward thread's, so that backward ends by making it wait for the leaf streams (stock's rule:
                 # .grad is ready on the caller's current stream).
                 torch.accelerator.set_stream(stream)
-            with handing(microbatch, rule):
-                _C._run_in_thread_state(state, run)
+            _C._run_in_thread_state(state, lambda: run(handed))
 
         with self._jobs_ready:
             self._jobs.append(job)
@@ -310,7 +310,6 @@ class MicrobatchOverlap:
                 return
             error: BaseException | None = None
             try:
-                _C._overlap_report_next_call()
                 job()
             except BaseException as raised:  # noqa: BLE001 - handed to the caller's thread
                 error = raised

@@ -27,7 +27,7 @@ from torch.overrides import is_tensor_like
 
 from torch_ext._api import Undo
 from torch_ext._loader import _C
-from torch_ext.engine import _compiled_autograd_enabled, _is_tracing
+from torch_ext.engine import _compiled_autograd_enabled, _is_tracing, _take_next_call_context
 
 SplitState = _C.SplitState
 
@@ -79,7 +79,9 @@ def backward_input(
         torch.autograd._tensor_or_tensors_to_tuple(grad_outputs, len(outputs_tuple)),
         is_grads_batched=False,
     )
-    dinputs, state = _C.backward_input(outputs_tuple, grads, inputs_tuple, weights_tuple, retain_graph, allow_unused)
+    dinputs, state = _C.backward_input(
+        outputs_tuple, grads, inputs_tuple, weights_tuple, retain_graph, allow_unused, _handed_backward()
+    )
     return dinputs, state
 
 
@@ -97,7 +99,15 @@ def backward_weight(state: SplitState, *, retain_graph: bool = False) -> tuple[t
     if mode == "always" or (mode == "accelerator" and torch.accelerator.is_available()):
         # Registers torch_ext::multi_tensor_accumulate_, which the batch calls (imported once, ~2 s).
         import torch_ext.kernels  # noqa: F401
-    return _C.backward_weight(state, retain_graph)
+    return _C.backward_weight(state, retain_graph, _handed_backward())
+
+
+def _handed_backward() -> _C.HandedBackward | None:
+    """The backward an overlap handed to this thread, when this pass is its engine call (``backward_by`` of a stage's
+    split backward): taken from the context of this thread's next call, which the pass is. A pass runs on its own
+    plan's priorities."""
+    context = _take_next_call_context()
+    return None if context is None else context.handed
 
 
 def set_weight_accumulation_batching(mode: str) -> Undo:

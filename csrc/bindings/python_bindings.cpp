@@ -109,6 +109,7 @@ PyObject* py_run_backward(
   unsigned char allow_unreachable = 0;
   unsigned char accumulate_grad = 0;
   PyObject* priorities = nullptr;
+  PyObject* handed = nullptr;
   constexpr const char* accepted_kwargs[] = {
       "tensors",
       "grad_tensors",
@@ -118,11 +119,12 @@ PyObject* py_run_backward(
       "allow_unreachable",
       "accumulate_grad",
       "priorities",
+      "handed",
       nullptr};
   if (!PyArg_ParseTupleAndKeywords(
           args,
           kwargs,
-          "OObb|ObbO",
+          "OObb|ObbOO",
           const_cast<char**>(accepted_kwargs),
           &tensors,
           &grad_tensors,
@@ -131,7 +133,8 @@ PyObject* py_run_backward(
           &inputs,
           &allow_unreachable,
           &accumulate_grad,
-          &priorities)) {
+          &priorities,
+          &handed)) {
     return nullptr;
   }
   const bool grad_api_called = !accumulate_grad && inputs != nullptr;
@@ -143,7 +146,8 @@ PyObject* py_run_backward(
        static_cast<bool>(create_graph),
        static_cast<bool>(accumulate_grad)},
       allow_unreachable,
-      priorities));
+      priorities,
+      handed));
   if (grad_api_called) {
     return wrap_tensors(results);
   }
@@ -225,7 +229,8 @@ PyObject* py_run_backward_implicit(
        PyObject_IsTrue(args[2]) == 1,
        accumulate_grad},
       PyObject_IsTrue(args[4]) == 1,
-      args[6]));
+      args[6],
+      /*handed=*/nullptr));
   if (!accumulate_grad) {
     return wrap_tensors(results);
   }
@@ -373,9 +378,10 @@ PyMethodDef methods[] = {
          reinterpret_cast<void (*)()>(py_run_backward)),
      METH_VARARGS | METH_KEYWORDS,
      "run_backward(tensors, grad_tensors, keep_graph, create_graph, inputs=None, "
-     "allow_unreachable=False, accumulate_grad=False, priorities=None): "
-     "torch._C._EngineBase.run_backward on torch_ext's engine; priorities: "
-     "[(node, priority, propagate)] for this call."},
+     "allow_unreachable=False, accumulate_grad=False, priorities=None, "
+     "handed=None): torch._C._EngineBase.run_backward on torch_ext's engine, "
+     "with the call's context: priorities, [(node, priority, propagate)] for "
+     "this call; handed, the torch_ext._C.HandedBackward it runs as."},
     {"run_backward_implicit",
      reinterpret_cast<PyCFunction>(
          reinterpret_cast<void (*)()>(py_run_backward_implicit)),
@@ -421,7 +427,8 @@ PyMethodDef methods[] = {
      py_backward_input,
      METH_VARARGS,
      "backward_input(outputs, grad_outputs, inputs, weights, keep_graph, "
-     "allow_unused) -> (input gradients, SplitState): split backward's dI pass."},
+     "allow_unused, handed=None) -> (input gradients, SplitState): split "
+     "backward's dI pass; handed as for run_backward."},
     {"set_weight_accumulation_batching",
      py_set_weight_accumulation_batching,
      METH_O,
@@ -438,8 +445,8 @@ PyMethodDef methods[] = {
     {"backward_weight",
      py_backward_weight,
      METH_VARARGS,
-     "backward_weight(state, keep_graph) -> weight gradients: split backward's "
-     "dW pass."},
+     "backward_weight(state, keep_graph, handed=None) -> weight gradients: "
+     "split backward's dW pass; handed as for run_backward."},
     {"execution_order",
      py_execution_order,
      METH_VARARGS,

@@ -283,10 +283,13 @@ class PythonOrderCheck final : public CollectiveOrderCheck {
 
 } // namespace
 
-// checker.begin(collectives), each (node, sequence_nr, expected gradients),
-// in the order the call starts them.
+// checker.begin(collectives, overlap), each collective (node, sequence_nr,
+// expected gradients), in the order the call starts them; overlap the call's
+// (microbatch, forward_collectives) when it runs beside the next forward,
+// else None.
 std::shared_ptr<CollectiveOrderCheck> PythonHost::begin_collective_check(
-    const std::vector<CheckedCollective>& sequence) {
+    const std::vector<CheckedCollective>& sequence,
+    const CollectiveProgress* beside_forward) {
   pybind11::gil_scoped_acquire gil;
   if (!collective_checker_) {
     return nullptr; // switched off since the call started
@@ -312,13 +315,27 @@ std::shared_ptr<CollectiveOrderCheck> PythonHost::begin_collective_check(
     }
     PyList_SET_ITEM(collectives.get(), static_cast<Py_ssize_t>(i), entry);
   }
+  THPObjectPtr overlap(Py_NewRef(Py_None));
+  if (beside_forward != nullptr) {
+    const std::string_view rule = name_of(beside_forward->rule);
+    overlap = Py_BuildValue(
+        "(LN)",
+        static_cast<long long>(beside_forward->microbatch),
+        PyUnicode_FromStringAndSize(
+            rule.data(),
+            static_cast<Py_ssize_t>(rule.size())));
+    if (!overlap) {
+      throw python_error();
+    }
+  }
   // The exchange starts before any of the call's collectives, on every rank.
   const StartingPlannedCollective starting;
   PyObject* pending = PyObject_CallMethod(
       collective_checker_.get(),
       "begin",
-      "O",
-      collectives.get());
+      "OO",
+      collectives.get(),
+      overlap.get());
   if (pending == nullptr) {
     throw python_error();
   }
@@ -458,9 +475,11 @@ PyMethodDef collective_methods[] = {
     {"set_collective_checker",
      py_set_collective_checker,
      METH_O,
-     "set_collective_checker(checker or None): checker.begin(collectives) "
-     "when a call's plan is made, collectives its sequence as (node, "
-     "sequence_nr, expected gradients); checker.wait(what begin returned) before the first "
+     "set_collective_checker(checker or None): checker.begin(collectives, "
+     "overlap) when a call's plan is made, collectives its sequence as (node, "
+     "sequence_nr, expected gradients), overlap (microbatch, "
+     "forward_collectives) for a backward handed over by "
+     "overlap_microbatches, else None; checker.wait(what begin returned) before the first "
      "starts and at the call's end, raising on a mismatch; None switches the "
      "check off."},
     {"_collective_role_cache_size",

@@ -54,7 +54,8 @@ class PythonHost final : public Host {
   uintptr_t lane_group_key(const Node& fn) override;
   bool collective_check_enabled() override;
   std::shared_ptr<CollectiveOrderCheck> begin_collective_check(
-      const std::vector<CheckedCollective>& sequence) override;
+      const std::vector<CheckedCollective>& sequence,
+      const CollectiveProgress* beside_forward) override;
   void raise_if_interrupted() override;
   void raise_interrupt_later(std::exception_ptr interrupt) override;
   void wait_releasing_gil(c10::function_ref<void()> wait) override;

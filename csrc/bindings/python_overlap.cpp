@@ -2,12 +2,14 @@
 // microbatch_overlap.py): its calls turned into the window's (overlap/window.h;
 // the rule lives there and in overlap/collective_gate.h, which the window
 // installs and Python never calls), the host's answers to the
-// questions the overlap asks (PythonHost's methods), the forward rules' names
+// questions the overlap asks (PythonHost's methods), the forward rules' names,
+// the handed backward's type (what a call's context holds of the overlap)
 // and the gate's error type for Python, and the caller's thread-local state
 // carried to the backward thread.
 
 #include "bindings/python_overlap.h"
 #include "bindings/python_host.h"
+#include "bindings/python_shared_object.h"
 #include "engine/caller_thread_state.h"
 #include "overlap/window.h"
 
@@ -60,32 +62,69 @@ PyObject* py_overlap_close(PyObject*, PyObject*) {
   END_HANDLE_TH_ERRORS
 }
 
-// _overlap_hand_over(microbatch, rule): the backward of `microbatch` is
-// about to start on the backward thread, the forward's collectives starting
-// by `rule` (a value of _overlap_forward_rules); the previous one has
+// torch_ext._C.HandedBackward: the window's record of one backward handed
+// over (overlap/window.h), which Python passes to that backward's engine call
+// (handed=) to become its CallContext::beside_forward.
+using PyHandedBackward = PySharedObject<HandedBackward>;
+
+PyTypeObject handed_backward_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+const HandedBackward& handed_of(PyObject* self) {
+  return *PyHandedBackward::of(self);
+}
+
+PyObject* handed_backward_microbatch(PyObject* self, void*) {
+  return PyLong_FromLongLong(handed_of(self).microbatch);
+}
+
+PyObject* handed_backward_forward_collectives(PyObject* self, void*) {
+  const std::string_view name = name_of(handed_of(self).rule);
+  return PyUnicode_FromStringAndSize(
+      name.data(),
+      static_cast<Py_ssize_t>(name.size()));
+}
+
+PyGetSetDef handed_backward_getset[] = {
+    {"microbatch",
+     handed_backward_microbatch,
+     nullptr,
+     "The microbatch whose backward this is.",
+     nullptr},
+    {"forward_collectives",
+     handed_backward_forward_collectives,
+     nullptr,
+     "When the next forward's collectives may start beside it: a "
+     "forward_collectives name.",
+     nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+// _overlap_hand_over(microbatch, rule) -> HandedBackward: the backward of
+// `microbatch` is about to start on the backward thread, the forward's
+// collectives starting by `rule` (one of _overlap_forward_rules, parsed here
+// into the rule the window and the call hold); the previous one has
 // finished.
 PyObject* py_overlap_hand_over(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   long long microbatch = 0;
-  int rule = 0;
-  if (!PyArg_ParseTuple(args, "Li", &microbatch, &rule)) {
+  const char* name = nullptr;
+  if (!PyArg_ParseTuple(args, "Ls", &microbatch, &name)) {
     return nullptr;
   }
-  TORCH_CHECK(
-      rule >= 0 && rule < static_cast<int>(kForwardRuleNames.size()),
-      "torch_ext: _overlap_hand_over: no forward rule ",
-      rule);
-  hand_over(microbatch, static_cast<ForwardRule>(rule));
-  Py_RETURN_NONE;
-  END_HANDLE_TH_ERRORS
-}
-
-// _overlap_report_next_call(): on the backward thread, just before the
-// handed backward's engine call.
-PyObject* py_overlap_report_next_call(PyObject*, PyObject*) {
-  HANDLE_TH_ERRORS
-  report_next_call_to_window();
-  Py_RETURN_NONE;
+  const std::optional<ForwardCollectives> rule =
+      forward_collectives_named(name);
+  TORCH_CHECK_VALUE(
+      rule.has_value(),
+      "torch_ext: _overlap_hand_over: no forward rule named '",
+      name,
+      "'");
+  // Made before the hand-over, which a failure to make it must not leave
+  // behind with no backward to run.
+  THPObjectPtr handed(PyHandedBackward::wrap(handed_backward_type, nullptr));
+  if (!handed) {
+    return nullptr;
+  }
+  PyHandedBackward::of(handed.get()) = hand_over(microbatch, *rule);
+  return handed.release();
   END_HANDLE_TH_ERRORS
 }
 
@@ -172,10 +211,6 @@ PyMethodDef overlap_methods[] = {
     {"_overlap_open", py_overlap_open, METH_NOARGS, nullptr},
     {"_overlap_close", py_overlap_close, METH_NOARGS, nullptr},
     {"_overlap_hand_over", py_overlap_hand_over, METH_VARARGS, nullptr},
-    {"_overlap_report_next_call",
-     py_overlap_report_next_call,
-     METH_NOARGS,
-     nullptr},
     {"_overlap_finish", py_overlap_finish, METH_O, nullptr},
     {"_overlap_wait", py_overlap_wait, METH_NOARGS, nullptr},
     {"_overlap_enter_rng_section",
@@ -191,6 +226,18 @@ PyMethodDef overlap_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 } // namespace
+
+std::shared_ptr<CollectiveProgress> handed_backward_from_python(
+    PyObject* handed) {
+  if (handed == nullptr || handed == Py_None) {
+    return nullptr;
+  }
+  TORCH_CHECK_TYPE(
+      Py_TYPE(handed) == &handed_backward_type,
+      "handed must be a torch_ext._C.HandedBackward or None, but got ",
+      Py_TYPE(handed)->tp_name);
+  return PyHandedBackward::of(handed);
+}
 
 std::exception_ptr PythonHost::forward_stopped_by_backward(
     std::string message) {
@@ -238,22 +285,31 @@ bool init_overlap_bindings(PyObject* module) {
   if (PyModule_AddFunctions(module, overlap_methods) != 0) {
     return false;
   }
-  // {name: value} of each ForwardRule, which torch_ext/microbatch_overlap.py
-  // reads rather than restating them.
-  THPObjectPtr rules(PyDict_New());
+  PyHandedBackward::init_type(
+      handed_backward_type,
+      "torch_ext._C.HandedBackward",
+      "One backward handed to torch_ext.overlap_microbatches' backward "
+      "thread, for its engine call's context.");
+  handed_backward_type.tp_getset = handed_backward_getset;
+  if (PyType_Ready(&handed_backward_type) < 0) {
+    return false;
+  }
+  // The name of each ForwardCollectives, in order, which
+  // torch_ext/microbatch_overlap.py reads rather than restating them.
+  THPObjectPtr rules(
+      PyTuple_New(static_cast<Py_ssize_t>(kForwardCollectivesNames.size())));
   if (!rules) {
     return false;
   }
-  for (size_t value = 0; value < kForwardRuleNames.size(); ++value) {
-    const std::string_view name = kForwardRuleNames[value];
-    THPObjectPtr key(PyUnicode_FromStringAndSize(
+  for (size_t value = 0; value < kForwardCollectivesNames.size(); ++value) {
+    const std::string_view name = kForwardCollectivesNames[value];
+    PyObject* key = PyUnicode_FromStringAndSize(
         name.data(),
-        static_cast<Py_ssize_t>(name.size())));
-    THPObjectPtr number(PyLong_FromSize_t(value));
-    if (!key || !number ||
-        PyDict_SetItem(rules.get(), key.get(), number.get()) != 0) {
+        static_cast<Py_ssize_t>(name.size()));
+    if (key == nullptr) {
       return false;
     }
+    PyTuple_SET_ITEM(rules.get(), static_cast<Py_ssize_t>(value), key);
   }
   // A RuntimeError, so that code catching the gate's errors as before still
   // does; torch_ext/microbatch_overlap.py tells it from the others by type.
@@ -267,6 +323,10 @@ bool init_overlap_bindings(PyObject* module) {
   return forward_stopped_by_backward &&
       PyModule_AddObjectRef(module, "_overlap_forward_rules", rules.get()) ==
       0 &&
+      PyModule_AddObjectRef(
+          module,
+          "HandedBackward",
+          reinterpret_cast<PyObject*>(&handed_backward_type)) == 0 &&
       PyModule_AddObjectRef(
           module,
           "ForwardStoppedByBackward",

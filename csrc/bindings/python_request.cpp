@@ -2,6 +2,7 @@
 // (THPEngine_run_backward). See python_request.h.
 
 #include "bindings/python_request.h"
+#include "bindings/python_overlap.h"
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
@@ -110,7 +111,8 @@ BackwardRequest request_from_python(
     PyObject* inputs,
     CallOptions options,
     bool allow_unreachable,
-    PyObject* priorities) {
+    PyObject* priorities,
+    PyObject* handed) {
   TORCH_CHECK(
       PyTuple_Check(tensors),
       "tensors argument is expected to be a tuple, but got ",
@@ -159,7 +161,9 @@ BackwardRequest request_from_python(
       builder.add_input(*input);
     }
   }
-  return builder.finish(parse_priority_overrides(priorities));
+  return builder.finish(
+      {parse_priority_overrides(priorities),
+       handed_backward_from_python(handed)});
 }
 
 } // namespace torch_ext

@@ -11,15 +11,19 @@
 namespace torch_ext {
 
 // torch._C._EngineBase.run_backward's arguments (tensors, grad_tensors,
-// inputs, flags) and torch_ext's `priorities`, [(node, priority,
-// propagate)]; `inputs` and `priorities` are null when not given.
+// inputs, flags) and the call's context (engine/call_context.h) as Python
+// gives it: `priorities`, [(node, priority, propagate)], and `handed`, the
+// torch_ext._C.HandedBackward the call runs as (torch_ext/engine.py's
+// CallContext); `inputs`, `priorities` and `handed` are null (or None) when
+// not given.
 BackwardRequest request_from_python(
     PyObject* tensors,
     PyObject* grad_tensors,
     PyObject* inputs,
     CallOptions options,
     bool allow_unreachable,
-    PyObject* priorities);
+    PyObject* priorities,
+    PyObject* handed);
 
 // [(node, priority, propagate), ...] as built by torch_ext.priority.
 std::vector<PriorityOverride> parse_priority_overrides(PyObject* overrides);

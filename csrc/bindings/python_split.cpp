@@ -1,14 +1,15 @@
 // torch_ext._C.backward_input / backward_weight and the opaque SplitState
 // object that carries a graph from one to the other.
 //
-// SplitState is a plain CPython type holding a C++ shared_ptr: it refers to
-// no Python object, is not tracked by the cyclic GC and can be in no
-// reference cycle; dropping the last reference frees what the weight pass
-// would have needed.
+// SplitState is a plain CPython type holding a C++ shared_ptr
+// (python_shared_object.h): dropping the last reference frees what the weight
+// pass would have needed.
 
 #include "bindings/python_split.h"
 #include "bindings/python_host.h"
+#include "bindings/python_overlap.h"
 #include "bindings/python_request.h"
+#include "bindings/python_shared_object.h"
 #include "engine/split/batched_accumulation.h"
 #include "engine/split/split_backward.h"
 
@@ -20,41 +21,21 @@
 #include <torch/csrc/utils/python_numbers.h>
 #include <torch/csrc/utils/python_strings.h>
 
-#include <new>
-
 namespace torch_ext {
 namespace {
 
-struct PySplitState {
-  PyObject_HEAD
-  std::shared_ptr<SplitState> state;
-};
+using PySplitState = PySharedObject<SplitState>;
 
 PyTypeObject split_state_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-void split_state_dealloc(PyObject* self) {
-  reinterpret_cast<PySplitState*>(self)->state.~shared_ptr();
-  Py_TYPE(self)->tp_free(self);
-}
-
 PyObject* split_state_repr(PyObject* self) {
   HANDLE_TH_ERRORS
-  const auto& state = reinterpret_cast<PySplitState*>(self)->state;
+  const auto& state = PySplitState::of(self);
   const std::string repr = "<torch_ext SplitState: " + describe(*state) + ">";
   return PyUnicode_FromStringAndSize(
       repr.data(),
       static_cast<Py_ssize_t>(repr.size()));
   END_HANDLE_TH_ERRORS
-}
-
-PyObject* wrap_state(std::shared_ptr<SplitState> state) {
-  PyObject* obj = split_state_type.tp_alloc(&split_state_type, 0);
-  if (obj == nullptr) {
-    return nullptr;
-  }
-  new (&reinterpret_cast<PySplitState*>(obj)->state)
-      std::shared_ptr<SplitState>(std::move(state));
-  return obj;
 }
 
 // The host's narrow_needs_input_grad and restore_needs_input_grad: the
@@ -134,15 +115,18 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
   PyObject* weights = nullptr;
   int keep_graph = 0;
   int allow_unused = 0;
+  // The torch_ext._C.HandedBackward the pass runs as, or None.
+  PyObject* handed = nullptr;
   if (!PyArg_ParseTuple(
           args,
-          "OOOOpp",
+          "OOOOpp|O",
           &outputs,
           &grad_outputs,
           &inputs,
           &weights,
           &keep_graph,
-          &allow_unused)) {
+          &allow_unused,
+          &handed)) {
     return nullptr;
   }
   // The request builder checks outputs, gradients and inputs as grad() does.
@@ -154,7 +138,8 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
        /*create_graph=*/false,
        /*accumulate_grad=*/false},
       allow_unused != 0,
-      /*priorities=*/nullptr);
+      /*priorities=*/nullptr,
+      handed);
   TORCH_CHECK(
       !request.roots.empty(),
       "backward_input: outputs cannot be empty");
@@ -198,13 +183,15 @@ PyObject* py_backward_input(PyObject* /*module*/, PyObject* args) {
         weight_edges,
         weight_tensors,
         keep_graph != 0,
-        allow_unused != 0);
+        allow_unused != 0,
+        std::move(request.context));
   }
   THPObjectPtr input_grads{wrap_tensors(result.input_grads)};
   if (!input_grads) {
     return nullptr;
   }
-  THPObjectPtr state{wrap_state(std::move(result.state))};
+  THPObjectPtr state{
+      PySplitState::wrap(split_state_type, std::move(result.state))};
   if (!state) {
     return nullptr;
   }
@@ -216,7 +203,9 @@ PyObject* py_backward_weight(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* state = nullptr;
   int keep_graph = 0;
-  if (!PyArg_ParseTuple(args, "Op", &state, &keep_graph)) {
+  // The torch_ext._C.HandedBackward the pass runs as, or None.
+  PyObject* handed = nullptr;
+  if (!PyArg_ParseTuple(args, "Op|O", &state, &keep_graph, &handed)) {
     return nullptr;
   }
   TORCH_CHECK_TYPE(
@@ -225,12 +214,12 @@ PyObject* py_backward_weight(PyObject* /*module*/, PyObject* args) {
       "returned, but got ",
       THPUtils_typename(state));
   // Keeps the state alive while the GIL is released.
-  std::shared_ptr<SplitState> split_state =
-      reinterpret_cast<PySplitState*>(state)->state;
+  std::shared_ptr<SplitState> split_state = PySplitState::of(state);
+  CallContext context{{}, handed_backward_from_python(handed)};
   variable_list grads;
   {
     pybind11::gil_scoped_release no_gil;
-    grads = backward_weight(*split_state, keep_graph != 0);
+    grads = backward_weight(*split_state, keep_graph != 0, std::move(context));
   }
   return wrap_tensors(grads);
   END_HANDLE_TH_ERRORS
@@ -303,14 +292,12 @@ PyObject* py_set_max_batched_gradient_bytes(
 }
 
 bool init_split_bindings(PyObject* module) {
-  split_state_type.tp_name = "torch_ext._C.SplitState";
-  split_state_type.tp_basicsize = sizeof(PySplitState);
-  split_state_type.tp_dealloc = split_state_dealloc;
-  split_state_type.tp_repr = split_state_repr;
-  split_state_type.tp_flags = Py_TPFLAGS_DEFAULT;
-  split_state_type.tp_doc =
+  PySplitState::init_type(
+      split_state_type,
+      "torch_ext._C.SplitState",
       "What torch_ext.backward_input keeps for torch_ext.backward_weight: the "
-      "frontier of the weight subgraph and the gradients that reached it.";
+      "frontier of the weight subgraph and the gradients that reached it.");
+  split_state_type.tp_repr = split_state_repr;
   if (PyType_Ready(&split_state_type) < 0) {
     return false;
   }

@@ -105,9 +105,8 @@ void RequestBuilder::add_input(const GraphEndpoint& input) {
   }
 }
 
-BackwardRequest RequestBuilder::finish(
-    std::vector<PriorityOverride> priority_overrides) {
-  request_.priority_overrides = std::move(priority_overrides);
+BackwardRequest RequestBuilder::finish(CallContext context) {
+  request_.context = std::move(context);
   return std::move(request_);
 }
 
@@ -142,7 +141,7 @@ variable_list run(BackwardRequest request) {
       std::move(request.root_grads),
       request.inputs,
       request.options,
-      std::move(request.priority_overrides));
+      std::move(request.context));
   if (!request.options.accumulate_grad && request.has_inputs) {
     for (size_t i = 0; i < results.size(); ++i) {
       TORCH_CHECK(
@@ -194,7 +193,7 @@ variable_list run_backward(
     variable_list root_grads,
     const edge_list& inputs,
     CallOptions options,
-    std::vector<PriorityOverride> priority_overrides) {
+    CallContext context) {
   prepare_roots(roots, root_grads);
   TORCH_CHECK(
       options.accumulate_grad || !inputs.empty(),
@@ -213,7 +212,7 @@ variable_list run_backward(
       std::move(root_grads),
       inputs,
       options,
-      std::move(priority_overrides));
+      std::move(context));
 }
 
 } // namespace torch_ext

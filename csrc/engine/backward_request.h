@@ -18,7 +18,7 @@
 
 namespace torch_ext {
 
-// What the engine runs: validated edges and the call's options.
+// What the engine runs: validated edges, the call's options and its context.
 struct BackwardRequest {
   edge_list roots;
   variable_list root_grads; // undefined for a root that needs none
@@ -28,7 +28,7 @@ struct BackwardRequest {
   CallOptions options;
   // grad(allow_unused=True): an input no gradient reached is not an error.
   bool allow_unreachable = false;
-  std::vector<PriorityOverride> priority_overrides;
+  CallContext context;
 };
 
 // A root or an input as a call names it: a tensor, or the edge of a
@@ -50,7 +50,8 @@ class RequestBuilder {
   void add_root_grad(std::optional<at::Tensor> grad);
   void expect_inputs(size_t count);
   void add_input(const GraphEndpoint& input);
-  BackwardRequest finish(std::vector<PriorityOverride> priority_overrides);
+  // The request, with the context the entry point built for the call.
+  BackwardRequest finish(CallContext context);
 
  private:
   BackwardRequest request_;

@@ -6,21 +6,83 @@
 // when each may start and when each has. The order this serves is the
 // collective order rule (docs/design.md, "The collective order rule").
 //
-// Two thread-locals carry it, so the engine's entry points need no new
-// argument: the target the next call made on this thread reports to, and
-// whether this thread is starting a collective such a call planned (the
-// overlap's collective gate, overlap/collective_gate.h, lets that one through
-// and refuses the others).
+// The call learns that it runs beside a forward from its CallContext
+// (engine/call_context.h), built where the call was asked for. What stays
+// per thread here is what a thread is doing now, which the collective gate
+// (overlap/collective_gate.h) reads inside the dispatcher, where no argument
+// of the call reaches: whether this thread is starting a collective such a
+// call planned (the gate lets that one through and refuses the others), and
+// the lane node it is running.
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <optional>
+#include <string_view>
 #include <utility>
 
 namespace torch_ext {
 
+// When the forward thread's collectives may start, beside a backward
+// (overlap_microbatches' forward_collectives, named as there).
+enum class ForwardCollectives : uint8_t {
+  // Once the backward has started every collective its plan holds.
+  kAfterBackwardCollectives = 0,
+  // Once the whole backward has finished.
+  kAfterBackward = 1,
+  // In turns with the backward's planned collectives, where the backward's
+  // take turns (in sequence); otherwise as kAfterBackwardCollectives.
+  kInTurnsWithBackwardCollectives = 2,
+  // At once: the backward's collectives go to a twin of their group, which
+  // the forward's never use (gloo groups only).
+  kBesideBackwardCollectives = 3,
+};
+
+// Each rule's name in overlap_microbatches' forward_collectives, indexed by
+// its value: the one list of them, which torch_ext/microbatch_overlap.py
+// reads (torch_ext._C._overlap_forward_rules).
+inline constexpr std::array<std::string_view, 4> kForwardCollectivesNames = {
+    "after_backward_collectives",
+    "after_backward",
+    "in_turns_with_backward_collectives",
+    "beside_backward_collectives"};
+static_assert(
+    kForwardCollectivesNames.size() ==
+    static_cast<size_t>(ForwardCollectives::kBesideBackwardCollectives) + 1);
+
+inline std::string_view name_of(ForwardCollectives rule) {
+  return kForwardCollectivesNames[static_cast<size_t>(rule)];
+}
+
+// The rule named `name`, or nullopt for none.
+inline std::optional<ForwardCollectives> forward_collectives_named(
+    std::string_view name) {
+  for (size_t value = 0; value < kForwardCollectivesNames.size(); ++value) {
+    if (kForwardCollectivesNames[value] == name) {
+      return static_cast<ForwardCollectives>(value);
+    }
+  }
+  return std::nullopt;
+}
+
+// One backward handed over to run beside the next microbatch's forward, as
+// the call sees it (overlap/window.h's HandedBackward implements it): which
+// it is, and what it reports.
 class CollectiveProgress {
  public:
+  CollectiveProgress(int64_t microbatch, ForwardCollectives rule)
+      : microbatch(microbatch), rule(rule) {}
   virtual ~CollectiveProgress() = default;
+  CollectiveProgress(const CollectiveProgress&) = delete;
+  CollectiveProgress& operator=(const CollectiveProgress&) = delete;
+
+  // The microbatch whose backward this is, and when the next forward's
+  // collectives may start beside it: what the ranks also compare when they
+  // check the collective order (Host::begin_collective_check).
+  const int64_t microbatch;
+  const ForwardCollectives rule;
+
   // The call's plan is made: it starts `count` collectives. `in_turns`:
   // each asks for its turn (may_start) before it is issued, in the plan's
   // order, so the forward's may go between them; otherwise the forward's
@@ -56,7 +118,10 @@ struct IssuingLaneNode {
 };
 
 namespace detail {
-inline thread_local std::shared_ptr<CollectiveProgress> next_call_reports_to;
+// Thread state, not a call's: what this thread is doing now, set for the
+// scope of a planned collective's start (PlannedCollectiveStart) and of the
+// order check's exchange, and read by the collective gate below the
+// dispatcher, on the same thread, within that scope.
 inline thread_local int starting_planned_collective = 0;
 inline thread_local std::shared_ptr<IssuingLaneNode> issuing_lane_node;
 } // namespace detail
@@ -70,17 +135,6 @@ inline IssuingLaneNode* issuing_lane_node() {
 // of its start (PlannedCollectiveStart, engine/planned_collective_start.h).
 inline void set_issuing_lane_node(std::shared_ptr<IssuingLaneNode> node) {
   detail::issuing_lane_node = std::move(node);
-}
-
-// The next torch_ext call made on this thread (a BackwardCall's constructor
-// takes it, so a backward nested inside one of its nodes does not) reports
-// to `progress`.
-inline void report_next_call_to(std::shared_ptr<CollectiveProgress> progress) {
-  detail::next_call_reports_to = std::move(progress);
-}
-
-inline std::shared_ptr<CollectiveProgress> take_report_target() {
-  return std::exchange(detail::next_call_reports_to, nullptr);
 }
 
 // Whether this thread is starting a collective that a reporting call planned

@@ -4,8 +4,8 @@
 // (ops.cpp) and the Python bindings (python_bindings.cpp). The engine's
 // questions to Python go through engine/host_interface.h.
 
+#include "engine/call_context.h"
 #include "engine/call_options.h"
-#include "engine/plan/priority_table.h"
 
 #include <torch/csrc/autograd/function.h>
 
@@ -23,13 +23,13 @@ using torch::autograd::variable_list;
 // the GIL. Semantics are those of torch::autograd::Engine::execute: with
 // `inputs` empty, every reachable node runs; otherwise only nodes on a path to
 // an input run, and grad() (accumulate_grad false) returns the gradient of
-// each input, undefined where none arrived. `priority_overrides` apply to
-// this call only, over the priority table.
+// each input, undefined where none arrived. `context` is the call's own
+// (call_context.h): its priorities, and the overlap it runs in, if any.
 variable_list run_backward(
     const edge_list& roots,
     variable_list root_grads,
     const edge_list& inputs,
     CallOptions options,
-    std::vector<PriorityOverride> priority_overrides = {});
+    CallContext context = {});
 
 } // namespace torch_ext

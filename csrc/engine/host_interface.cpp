@@ -19,7 +19,8 @@ class ProcessWithoutHost final : public Host {
     return false;
   }
   std::shared_ptr<CollectiveOrderCheck> begin_collective_check(
-      const std::vector<CheckedCollective>&) override {
+      const std::vector<CheckedCollective>&,
+      const CollectiveProgress*) override {
     return nullptr;
   }
   void raise_if_interrupted() override {}

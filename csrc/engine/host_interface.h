@@ -30,6 +30,8 @@ namespace torch_ext {
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
+class CollectiveProgress;
+
 // A collective of a call's sequence as the collective order check names it:
 // the node, and when forward made it (its sequence_nr: every node of one
 // graph was made on one thread, whose numbers only grow). The host derives
@@ -81,10 +83,13 @@ class Host {
   virtual uintptr_t lane_group_key(const Node& fn) = 0;
   // The collective order check (torch_ext.check_collective_order): whether
   // it is on, and one call's check begun with its collective sequence, in
-  // the order the call starts them (null if it was switched off since).
+  // the order the call starts them, and the backward handed over that the
+  // call is (its CallContext's, or null), which the ranks compare too (null
+  // if the check was switched off since).
   virtual bool collective_check_enabled() = 0;
   virtual std::shared_ptr<CollectiveOrderCheck> begin_collective_check(
-      const std::vector<CheckedCollective>& sequence) = 0;
+      const std::vector<CheckedCollective>& sequence,
+      const CollectiveProgress* beside_forward) = 0;
   // Throws if a signal handler raised (Ctrl-C): for the engine thread while
   // it waits for a lane, and for the microbatch overlap's forward thread
   // while it is parked (overlap/window.cpp).
@@ -108,7 +113,7 @@ class Host {
   // The registered name of the twin of the process group registered as
   // `group_name`: a gloo group of the same ranks, on which a backward beside
   // the next microbatch's forward issues that group's collectives
-  // (overlap/window.h, ForwardRule::kBesideOnTwinGroups). Throws for a group
+  // (ForwardCollectives::kBesideBackwardCollectives). Throws for a group
   // that has none (not gloo).
   virtual std::string twin_group_name(const std::string& group_name) = 0;
   // Makes an error raised by the collective node `fn` name it and where it

@@ -101,7 +101,8 @@ void refuse_unless_planned(
       "second could be ordered differently on each rank; it was refused on "
       "every rank. Declare only Functions whose backward runs one collective, "
       "or run that backward without the overlap.");
-  if (backward.finished || backward.forward_waits_for_all ||
+  if (backward.finished ||
+      backward.rule == ForwardCollectives::kAfterBackward ||
       starting_planned_collective()) {
     return;
   }
@@ -123,7 +124,8 @@ void refuse_unless_planned(
 // Whether a collective this backward-side thread may start goes to its
 // group's twin (under the window's mutex).
 bool goes_to_twin(const HandedBackward& backward) {
-  return backward.on_twin_groups && !backward.finished;
+  return backward.rule == ForwardCollectives::kBesideBackwardCollectives &&
+      !backward.finished;
 }
 
 // The registered name of the twin of the group registered as `group_name`.

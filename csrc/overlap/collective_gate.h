@@ -1,7 +1,8 @@
 #pragma once
 
 // The microbatch overlap's collective order rule (docs/design.md, "The
-// collective order rule"; its ForwardRule and progress in window.h),
+// collective order rule"; its rules and progress in
+// engine/collective_progress.h, the backward in flight in window.h),
 // enforced on every c10d collective: a kernel at the Autograd key of the
 // c10d operators (the collective gate), a kernel at the functional
 // collectives' BackendSelect key (they reach c10d past the first), and an

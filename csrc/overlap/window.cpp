@@ -60,7 +60,7 @@ void HandedBackward::planned(size_t count, bool in_turns) {
   Window& w = window();
   std::lock_guard<std::mutex> lock(w.mutex);
   planned_count = count;
-  this->in_turns = forward_takes_turns && in_turns;
+  backward_takes_turns = in_turns;
   w.changed.notify_all();
 }
 
@@ -144,24 +144,18 @@ void close_window() {
   w.changed.notify_all();
 }
 
-void hand_over(int64_t microbatch, ForwardRule rule) {
+std::shared_ptr<HandedBackward> hand_over(
+    int64_t microbatch,
+    ForwardCollectives rule) {
   check_forward_thread("hand_over");
   Window& w = window();
   std::lock_guard<std::mutex> lock(w.mutex);
   TORCH_INTERNAL_ASSERT(w.current == nullptr || w.current->finished);
   w.current = std::make_shared<HandedBackward>(microbatch, rule);
-}
-
-void report_next_call_to_window() {
-  Window& w = window();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  TORCH_INTERNAL_ASSERT(w.current != nullptr);
-  report_next_call_to(w.current);
+  return w.current;
 }
 
 void finish_handed_backward(const std::optional<std::string>& error) {
-  // A call that never started (it raised before the engine) took no target.
-  take_report_target();
   Window& w = window();
   std::lock_guard<std::mutex> lock(w.mutex);
   if (w.current != nullptr) {

@@ -5,9 +5,10 @@
 // backward thread while the thread that handed it over (the forward thread)
 // runs the next microbatch's forward. Here: the hand-over, what the backward in
 // flight tells the forward thread (HandedBackward: when the forward's
-// collectives may start, by its ForwardRule), where the forward thread parks,
-// and the RNG sections. The collective gate (collective_gate.h) holds every
-// collective to that order (docs/design.md, "The collective order rule").
+// collectives may start, by its rule, ForwardCollectives), where the forward
+// thread parks, and the RNG sections. The collective gate (collective_gate.h)
+// holds every collective to that order (docs/design.md, "The collective order
+// rule").
 //
 // RNG: a checkpoint's recompute sets the global generator to forward's state
 // and back. The backward thread does so only while the forward thread is
@@ -22,7 +23,6 @@
 
 #include <ATen/record_function.h>
 
-#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -31,46 +31,16 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <string_view>
 #include <thread>
 #include <unordered_map>
 
 namespace torch_ext {
 
-// When the forward thread's collectives may start, beside a backward
-// (overlap_microbatches' forward_collectives).
-enum class ForwardRule : int {
-  // Once the backward has started every collective its plan holds.
-  kAfterPlannedCollectives = 0,
-  // Once the whole backward has finished.
-  kAfterBackward = 1,
-  // In turns with the backward's planned collectives, where the backward's
-  // take turns (in sequence); otherwise as kAfterPlannedCollectives.
-  kInTurns = 2,
-  // At once: the backward's collectives go to a twin of their group, which
-  // the forward's never use (gloo groups only).
-  kBesideOnTwinGroups = 3,
-};
-
-// Each ForwardRule's name in overlap_microbatches' forward_collectives,
-// indexed by its value: the one list of them, which
-// torch_ext/microbatch_overlap.py reads (torch_ext._C._overlap_forward_rules).
-inline constexpr std::array<std::string_view, 4> kForwardRuleNames = {
-    "after_backward_collectives",
-    "after_backward",
-    "in_turns_with_backward_collectives",
-    "beside_backward_collectives"};
-static_assert(
-    kForwardRuleNames.size() ==
-    static_cast<size_t>(ForwardRule::kBesideOnTwinGroups) + 1);
-
-// One backward handed to the backward thread.
+// One backward handed to the backward thread: the call it starts (its
+// CallContext::beside_forward) reports here. Its microbatch and rule are
+// CollectiveProgress's.
 struct HandedBackward final : CollectiveProgress {
-  HandedBackward(int64_t microbatch, ForwardRule rule)
-      : microbatch(microbatch),
-        forward_waits_for_all(rule == ForwardRule::kAfterBackward),
-        forward_takes_turns(rule == ForwardRule::kInTurns),
-        on_twin_groups(rule == ForwardRule::kBesideOnTwinGroups) {}
+  using CollectiveProgress::CollectiveProgress;
 
   void planned(size_t count, bool in_turns) override;
   void may_start(size_t place) override;
@@ -82,14 +52,15 @@ struct HandedBackward final : CollectiveProgress {
   // turns, once the backward's has started one more than the forward has
   // issued.
   bool releases_forward() const {
-    if (finished || on_twin_groups) {
+    if (finished || rule == ForwardCollectives::kBesideBackwardCollectives) {
       return true;
     }
-    if (forward_waits_for_all || !planned_count.has_value()) {
+    if (rule == ForwardCollectives::kAfterBackward ||
+        !planned_count.has_value()) {
       return false;
     }
     return started >= *planned_count ||
-        (in_turns && !forward_done && started > forward_issued);
+        (in_turns() && !forward_done && started > forward_issued);
   }
 
   // Whether the backward's collective at `place` may be issued (under the
@@ -97,23 +68,20 @@ struct HandedBackward final : CollectiveProgress {
   // issuing them (it is waiting for this backward to finish; from then on
   // its collectives wait for all the backward's, releases_forward).
   bool backward_may_start(size_t place) const {
-    return !in_turns || forward_waits_for_all || forward_done ||
-        forward_issued >= place;
+    return !in_turns() || forward_done || forward_issued >= place;
   }
 
-  const int64_t microbatch;
-  // The forward waits for the whole backward, not only its planned
-  // collectives.
-  const bool forward_waits_for_all;
-  // The forward asked to take turns with the backward's collectives.
-  const bool forward_takes_turns;
-  // The backward's collectives go to the twins of their groups, and the two
-  // threads wait for each other's for nothing.
-  const bool on_twin_groups;
-  std::optional<size_t> planned_count;
-  // The two threads' collectives take turns: the forward asked to, and the
+  // The two threads' collectives take turns: the rule asks for it, and the
   // backward's wait for their turns (may_start).
-  bool in_turns = false;
+  bool in_turns() const {
+    return rule == ForwardCollectives::kInTurnsWithBackwardCollectives &&
+        backward_takes_turns;
+  }
+
+  std::optional<size_t> planned_count;
+  // The backward's collectives wait for their turns (planned()'s in_turns):
+  // the call holds them to its plan's order.
+  bool backward_takes_turns = false;
   size_t started = 0;
   // The collectives the forward thread has issued since the hand-over.
   size_t forward_issued = 0;
@@ -140,8 +108,8 @@ struct Window {
   // The forward thread's observer of every op it dispatches
   // (collective_gate.h), removed when the window closes.
   std::optional<at::CallbackHandle> forward_observer;
-  // Under kBesideOnTwinGroups, the registered name of each group's twin, by
-  // the group's (Host::twin_group_name, asked once per group and
+  // Under kBesideBackwardCollectives, the registered name of each group's
+  // twin, by the group's (Host::twin_group_name, asked once per group and
   // window: a window lives in one world, whose names do not change).
   std::unordered_map<std::string, std::string> twin_names;
 };
@@ -166,11 +134,11 @@ void open_window();
 void close_window();
 // The backward of `microbatch` is about to start on the backward thread,
 // the forward's collectives starting by `rule`; the previous one has
-// finished.
-void hand_over(int64_t microbatch, ForwardRule rule);
-// On the backward thread, just before the handed backward's engine call:
-// that call reports its collectives to the window.
-void report_next_call_to_window();
+// finished. Returns the window's record of it, which the backward's engine
+// call is given in its CallContext (engine/call_context.h) and reports to.
+std::shared_ptr<HandedBackward> hand_over(
+    int64_t microbatch,
+    ForwardCollectives rule);
 // On the backward thread, when the handed backward returned (`error`
 // nullopt) or raised (`error` says what).
 void finish_handed_backward(const std::optional<std::string>& error);

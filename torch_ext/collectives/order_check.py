@@ -45,7 +45,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_ext._handed_backward import handed_backward
 from torch_ext._loader import _C
 from torch_ext.collectives.group_mirrors import Group, GroupMirrors
 from torch_ext.collectives.lanes import _GROUP_OF
@@ -191,7 +190,8 @@ class _Exchange:
     collective_groups: list[Group]
     groups: dict[int, Group]
     exchanges: list[_GroupExchange]
-    # The overlapped backward's (microbatch, forward's rule), None outside torch_ext.overlap_microbatches.
+    # The overlapped backward's (microbatch, forward's rule), from the call's context; None for a backward that
+    # torch_ext.overlap_microbatches did not hand over.
     overlap: tuple | None
     # None while a verdict is missing, "" when every group agrees, else the mismatch (or the exchange's error).
     outcome: str | BaseException | None = None
@@ -224,9 +224,11 @@ class _Checker:
         known = None if group is None else _MIRRORS.of(group, self._timeout)
         return known or _MIRRORS.of(dist.distributed_c10d._get_default_group(), self._timeout)
 
-    def begin(self, collectives: list[tuple[Any, int, list]]) -> _Exchange:
+    def begin(self, collectives: list[tuple[Any, int, list]], overlap: tuple[int, str] | None) -> _Exchange:
         """Starts comparing one call's collective sequence, ``(node, sequence_nr, expected gradients)`` in the
-        order the call will start them, with the other ranks'; returns what ``wait`` takes."""
+        order the call will start them, with the other ranks'; returns what ``wait`` takes. ``overlap``: the
+        call's ``(microbatch, forward_collectives)`` when it is a backward that torch_ext.overlap_microbatches
+        handed over (the engine passes it from the call's context), else None."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch_ext: the collective order check needs torch.distributed initialized "
@@ -239,7 +241,6 @@ class _Checker:
         # A backward that runs beside the next forward (torch_ext.overlap_microbatches): the ranks must also agree
         # on which microbatch it is and on the rule for the forward's collectives, or the two threads' collectives
         # would interleave differently by rank.
-        overlap = handed_backward()
         exchanges = []
         for group in sorted(by_id.values(), key=lambda group: group.ranks):
             digest = _digest((overlap, _seen_by(fingerprints, group, by_id)))

@@ -15,6 +15,7 @@
 // (split_pass_context.h) and its trace (trace.h's CallTracing). Those that
 // must clean up when the call fails register in one list (call_feature.h).
 
+#include "engine/call_context.h"
 #include "engine/call_options.h"
 #include "engine/host/host_task.h"
 #include "engine/host_interface.h"
@@ -51,7 +52,7 @@ class BackwardCall final : public HostedRun {
       variable_list root_grads,
       edge_list inputs,
       CallOptions options,
-      std::vector<PriorityOverride> priority_overrides);
+      CallContext context);
   BackwardCall(const BackwardCall&) = delete;
   BackwardCall& operator=(const BackwardCall&) = delete;
   ~BackwardCall();
@@ -272,7 +273,7 @@ class BackwardCall final : public HostedRun {
   // - the lanes, in a call that takes turns: lane nodes' apply() runs on
   //   their process group's lane (engine/run/collective_lane.h), or, on an
   //   accelerator, on a side stream.
-  ProgressReport progress_report_{plan_};
+  ProgressReport progress_report_;
   OrderVerdicts order_verdicts_{plan_};
   CollectiveTurns turns_{plan_};
   CallLanes lanes_{plan_, has_accelerator_};

@@ -12,13 +12,15 @@ void OrderVerdicts::plan() {
       host().collective_check_enabled();
 }
 
-void OrderVerdicts::begin(const std::vector<int32_t>& in_order) {
+void OrderVerdicts::begin(
+    const std::vector<int32_t>& in_order,
+    const CollectiveProgress* beside_forward) {
   std::vector<CheckedCollective> checked;
   checked.reserve(in_order.size());
   for (const int32_t s : in_order) {
     checked.push_back({plan_.slots[s].fn, plan_.slots[s].fn->sequence_nr()});
   }
-  order_check_ = host().begin_collective_check(checked);
+  order_check_ = host().begin_collective_check(checked, beside_forward);
   awaits_order_check_ = order_check_ != nullptr;
 }
 

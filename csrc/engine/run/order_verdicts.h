@@ -42,8 +42,11 @@ class OrderVerdicts final : public CallFeature {
   // Before the first node runs, inside the call's error handling, when the
   // ranks compare the collectives: begins the check on `in_order`, the
   // call's collective sequence (planned_collectives), before the first
-  // collective starts.
-  void begin(const std::vector<int32_t>& in_order);
+  // collective starts. `beside_forward`: the backward handed over that the
+  // call is (its context's), or null; the ranks compare it too.
+  void begin(
+      const std::vector<int32_t>& in_order,
+      const CollectiveProgress* beside_forward);
 
   // Whether the run loops must call await_before (or await_before_turn)
   // before the next node: the check is on and this thread has not yet seen

@@ -1,8 +1,9 @@
 #pragma once
 
 // One call's report to the next microbatch's forward (collective_progress.h),
-// when the call runs beside it: how many collectives its plan starts, and,
-// for each, its wait for its turn and when it started. Held by value by every
+// when the call runs beside it (its CallContext says so,
+// engine/call_context.h): how many collectives its plan starts, and, for
+// each, its wait for its turn and when it started. Held by value by every
 // call (BackwardCall::progress_report_); a call that does not run beside a
 // forward holds a null pointer, which the executor tests per collective.
 
@@ -13,20 +14,28 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 namespace torch_ext {
 
 class ProgressReport final : public CallFeature {
  public:
   // `plan` is the call's (a member that outlives this one), read once it is
-  // made. Made on the caller's thread: takes the report target of the call
-  // made on this thread (take_report_target), so a nested call has none.
-  explicit ProgressReport(const GraphPlan& plan)
-      : plan_(plan), progress_(take_report_target()) {}
+  // made. `beside_forward` is the call context's (CallContext::
+  // beside_forward): where the call reports, or null.
+  ProgressReport(
+      const GraphPlan& plan,
+      std::shared_ptr<CollectiveProgress> beside_forward)
+      : plan_(plan), progress_(std::move(beside_forward)) {}
 
   // Whether the call runs beside the next microbatch's forward.
   bool reports() const {
     return progress_ != nullptr;
+  }
+  // The backward handed over that the call is, or null: what the
+  // collective order check compares beside the collectives.
+  const CollectiveProgress* beside_forward() const {
+    return progress_.get();
   }
 
   // Once the plan is made, before any node runs, when the call reports

@@ -6,6 +6,7 @@
 // inside its host task, so that BackwardCall (backward_call.h) stays the run
 // layer's own.
 
+#include "engine/call_context.h"
 #include "engine/call_options.h"
 #include "engine/plan/graph_plan.h"
 
@@ -42,7 +43,9 @@ struct SplitPass {
 // Runs backward from `roots` (seeded with `root_grads`) as one call, inside
 // one stock graph task, on the calling thread: every node that must run, for
 // `inputs` (grad(), backward(inputs=)) or all of them, or, with `pass`, the
-// nodes of its plan. Returns the captured gradient of each input for grad()
+// nodes of its plan, with `context` (engine/call_context.h; a split pass's
+// priorities are its plan's, and its context's are not read). Returns the
+// captured gradient of each input for grad()
 // (accumulate_grad false), undefined where none arrived. The caller must not
 // hold the GIL.
 variable_list run_call(
@@ -50,7 +53,7 @@ variable_list run_call(
     variable_list root_grads,
     edge_list inputs,
     CallOptions options,
-    std::vector<PriorityOverride> priority_overrides,
+    CallContext context,
     SplitPass* pass = nullptr);
 
 // The stream `grad` was produced on (its device's current stream when it was

@@ -62,18 +62,19 @@ BackwardCall::BackwardCall(
     variable_list root_grads,
     edge_list inputs,
     CallOptions options,
-    std::vector<PriorityOverride> priority_overrides)
+    CallContext context)
     : roots_(std::move(roots)),
       root_grads_(std::move(root_grads)),
       inputs_(std::move(inputs)),
       options_(options),
-      priorities_(std::move(priority_overrides)),
+      priorities_(std::move(context.priority_overrides)),
       // Read here, on the caller's thread: past stock's reentrant depth
       // limit the host task runs the driver on a pool thread, whose current
       // streams are not the caller's.
       caller_streams_(current_accelerator_streams()),
       has_accelerator_(
-          at::accelerator::getAccelerator(/*checked=*/false).has_value()) {
+          at::accelerator::getAccelerator(/*checked=*/false).has_value()),
+      progress_report_(plan_, std::move(context.beside_forward)) {
   if (!options_.accumulate_grad) {
     captured_.resize(inputs_.size());
   }
@@ -99,7 +100,7 @@ variable_list run_call(
     variable_list root_grads,
     edge_list inputs,
     CallOptions options,
-    std::vector<PriorityOverride> priority_overrides,
+    CallContext context,
     SplitPass* pass) {
   // grad()/inputs= and split passes run a subset of the nodes.
   const bool filtered = pass != nullptr || !inputs.empty();
@@ -110,7 +111,7 @@ variable_list run_call(
       std::move(root_grads),
       std::move(inputs),
       options,
-      std::move(priority_overrides));
+      std::move(context));
   if (pass != nullptr) {
     call.run_as_split_pass(*pass);
   }
@@ -268,7 +269,7 @@ void BackwardCall::begin_collectives() {
     lanes_.begin();
   }
   if (order_verdicts_.checks_order()) {
-    order_verdicts_.begin(in_order);
+    order_verdicts_.begin(in_order, progress_report_.beside_forward());
   }
 }
 

@@ -354,7 +354,8 @@ InputPassResult backward_input(
     const edge_list& weight_edges,
     const variable_list& weights,
     bool keep_graph,
-    bool allow_unused) {
+    bool allow_unused,
+    CallContext context) {
   prepare_roots(roots, root_grads);
 
   auto state = std::make_shared<SplitState>();
@@ -397,13 +398,16 @@ InputPassResult backward_input(
       {/*keep_graph=*/keep_graph,
        /*create_graph=*/false,
        /*accumulate_grad=*/false},
-      {},
+      std::move(context),
       &pass);
   unshare_input_grads_from_state(input_grads, *state);
   return {std::move(input_grads), std::move(state)};
 }
 
-variable_list backward_weight(SplitState& state, bool keep_graph) {
+variable_list backward_weight(
+    SplitState& state,
+    bool keep_graph,
+    CallContext context) {
   TORCH_CHECK(
       !state.consumed.exchange(true),
       "backward_weight: this state was already resumed; each state that "
@@ -441,7 +445,7 @@ variable_list backward_weight(SplitState& state, bool keep_graph) {
           {/*keep_graph=*/keep_graph,
            /*create_graph=*/false,
            /*accumulate_grad=*/true},
-          {},
+          std::move(context),
           &pass);
     } catch (...) {
       // Stock would have accumulated these before the error.

@@ -31,6 +31,7 @@
 // The state between the passes holds C++ references only (nodes, tensors),
 // never a Python object, so it cannot be part of a reference cycle.
 
+#include "engine/call_context.h"
 #include "engine/plan/graph_plan.h"
 
 #include <memory>
@@ -51,8 +52,9 @@ struct InputPassResult {
 // nodes on a path to `inputs` only, computing no weight gradient. `weights`
 // are leaf tensors requiring grad, and `weight_edges` their AccumulateGrad
 // edges; unless `allow_unused`, each input and weight must be reachable from
-// the roots. With `keep_graph`, nothing is released. The caller must not
-// hold the GIL.
+// the roots. With `keep_graph`, nothing is released. `context`: the pass's
+// own (engine/call_context.h), of which a pass reads only beside_forward (its
+// priorities are the plan's). The caller must not hold the GIL.
 InputPassResult backward_input(
     const edge_list& roots,
     variable_list root_grads,
@@ -60,12 +62,17 @@ InputPassResult backward_input(
     const edge_list& weight_edges,
     const variable_list& weights,
     bool keep_graph,
-    bool allow_unused);
+    bool allow_unused,
+    CallContext context = {});
 
 // The dW pass: resumes from `state` and accumulates every weight's gradient
 // into its .grad through its AccumulateGrad. Returns each weight's .grad
-// afterwards. A state can be resumed once. The caller must not hold the GIL.
-variable_list backward_weight(SplitState& state, bool keep_graph);
+// afterwards. A state can be resumed once. `context` as for backward_input.
+// The caller must not hold the GIL.
+variable_list backward_weight(
+    SplitState& state,
+    bool keep_graph,
+    CallContext context = {});
 
 // For the state's repr: its frontier size, or that it was consumed.
 std::string describe(const SplitState& state);
