@@ -346,3 +346,12 @@ def _try(fn) -> str:
     except RuntimeError as error:
         return str(error)
     return ""
+
+
+@pytest.mark.parametrize("rule", torch_ext._C._overlap_forward_rules)
+def test_the_order_checks_overlap_mismatch_names_every_rule(rule):
+    from torch_ext.collectives.order_check import _overlap_mismatch_message
+
+    message = _overlap_mismatch_message([0, 1], [(1, rule), None])
+    assert "rank 0: the backward of microbatch 1, the next forward's collectives " in message
+    assert "rank 1: a backward not run beside a forward" in message

@@ -353,6 +353,7 @@ def _overlap_mismatch_message(ranks: list[int], overlaps: list[tuple | None]) ->
             "after_backward": "waiting for the whole backward",
             "after_backward_collectives": "waiting for its planned collectives",
             "in_turns_with_backward_collectives": "taking turns with its planned collectives",
+            "beside_backward_collectives": "beside its planned collectives, which go to twin groups",
         }[rule]
         return f"the backward of microbatch {microbatch}, the next forward's collectives {how}"
 
