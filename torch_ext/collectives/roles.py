@@ -145,7 +145,7 @@ _TORCHREC_FUNCTIONS: dict[str, int] = {
     # Not here: the mixture-of-experts token exchange of Megatron-core
     # (megatron.core.tensor_parallel.mappings._AllToAll) and DeepSpeed (deepspeed.moe.sharded_moe._AllToAll),
     # synchronous: backward runs the reverse all_to_all and returns when it has finished. Started earlier by
-    # priority alone it gains nothing and cost 1.03-1.06x stock's backward (benchmarks/moe_sync.py), so it
+    # priority alone it gains nothing and cost 1.03-1.06x stock's backward (benchmarks/moe_sync), so it
     # keeps stock's order unless declared to a lane (torch_ext.run_in_lane), where it runs beside the rest.
 }
 
