@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(WARMUP_REPS + reps):
             for key, collectives in plans.items():
                 before = checker.bytes_sent
-                elapsed_ns, exchange = timed_call(checker.begin, collectives)
+                # None: a backward that no microbatch overlap handed over.
+                elapsed_ns, exchange = timed_call(checker.begin, collectives, None)
                 sent[key] = checker.bytes_sent - before
                 checker.wait(exchange)
                 if rep >= WARMUP_REPS:

@@ -1,7 +1,10 @@
 """The single-process benchmarks' lines of bench's table (and split_backward's plot), from their CSVs:
-engine_overhead, split_backward, backward_memory, trace_overhead, order_check_scale."""
+engine_overhead, split_backward, backward_memory, trace_overhead, order_check_scale; and a quick run of
+order_check_scale."""
 
-from bench_helpers import write_rows
+import csv
+
+from bench_helpers import benchmark_command, run_benchmark, write_rows
 
 from torch_ext import bench
 
@@ -148,3 +151,13 @@ def test_order_check_scale_summary_from_a_csv(tmp_path):
     assert ep_dp.ratio == "2.05" and "aim <= 2" in ep_dp.notes
     assert "bytes per backward 16 at 8 ranks, 16 at 8,192" in ep.notes
     assert ep_dp.values["begin_us_1024"] == 2100 and ep_dp.values["bytes_8192"] == 16
+
+
+def test_order_check_scale_runs_the_checks_begin_as_the_engine_calls_it(tmp_path):
+    """A quick run (~3 s): its synthetic worlds go through the collective order check's begin and wait with the
+    arguments the engine passes, so a change of their signature fails here, not only in bench."""
+    out = tmp_path / "order_check_scale.csv"
+    result = run_benchmark([*benchmark_command("order_check_scale"), "--quick", "--out", str(out)], timeout_s=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(out) as f:
+        assert any(row["what"] == "begin" for row in csv.DictReader(f))
