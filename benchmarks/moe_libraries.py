@@ -1,10 +1,11 @@
-"""The MoE libraries whose synchronous expert all_to_all moe_sync and microbatch_overlap run: Megatron-core's and
-DeepSpeed's ``_AllToAll``, an autograd Function whose backward runs the gradient's all_to_all inside its node.
-Imports neither library (nor torch) until ``library_all_to_all``."""
+"""The MoE libraries whose synchronous expert all_to_all moe_sync, microbatch_overlap and trainer_overlap run:
+Megatron-core's and DeepSpeed's ``_AllToAll``, an autograd Function whose backward runs the gradient's all_to_all
+inside its node. Imports neither library (nor torch) until ``library_all_to_all`` or ``in_lane_on_torch_ext``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 from .harness.sweep import module_installed
 
@@ -37,3 +38,17 @@ def library_all_to_all(library: str) -> tuple[Callable, type]:
 def no_all_to_all(group, tokens):
     """The communication-free stand-in for ``all_to_all(group, tokens)``: the tokens as they are."""
     return tokens
+
+
+@contextlib.contextmanager
+def in_lane_on_torch_ext(function: type) -> Iterator[None]:
+    """The library's ``_AllToAll`` (``function``) declared with ``torch_ext.run_in_lane`` and torch_ext's engine
+    switched on, for the block; the class is back to undeclared afterwards."""
+    import torch_ext
+
+    torch_ext.run_in_lane(function)
+    try:
+        with torch_ext.enable():
+            yield
+    finally:
+        torch_ext.unregister_collective_backward(function)

@@ -14,6 +14,7 @@ from torch import nn
 import torch_ext
 
 from ..harness.timing import gc_paused
+from ..moe_libraries import in_lane_on_torch_ext
 from . import COMPUTE_VARIANTS, OVERLAPPED_VARIANTS, PHASED_VARIANTS
 
 
@@ -24,12 +25,8 @@ def variant_engine(variant: str, function: type):
     if variant in ("stock", "compute"):
         yield
         return
-    torch_ext.run_in_lane(function)
-    try:
-        with torch_ext.enable():
-            yield
-    finally:
-        torch_ext.unregister_collective_backward(function)
+    with in_lane_on_torch_ext(function):
+        yield
 
 
 def accumulate(model: nn.Module, batches: Sequence[torch.Tensor], variant: str) -> tuple[float, float]:

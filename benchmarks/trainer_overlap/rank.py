@@ -11,13 +11,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-import torch_ext
-
 from ..harness.calibration import calibrate_t_comm, dense_layer_s
 from ..harness.sweep import HEADLINE_RATIO, SweepConfig, sweep_depth, timed_repetitions
 from ..harness.timing import gc_paused, timed_blocking
 from ..moe_layer import moe_layer
-from ..moe_libraries import library_all_to_all
+from ..moe_libraries import in_lane_on_torch_ext, library_all_to_all
 from . import DIM, MAX_DENSE_LAYERS, N_MICROBATCHES, ROWS, VARIANTS
 from .loops import LOOPS
 
@@ -33,12 +31,8 @@ def variant_engine(variant: str, function: type):
     if variant != "switch":
         yield
         return
-    torch_ext.run_in_lane(function)
-    try:
-        with torch_ext.enable():
-            yield
-    finally:
-        torch_ext.unregister_collective_backward(function)
+    with in_lane_on_torch_ext(function):
+        yield
 
 
 def _timed_step(loop, batches, variant: str, function: type) -> dict[str, float]:
@@ -107,7 +101,7 @@ def _run_library(library: str, all_to_all_library: str, config: SweepConfig, t_l
 def run_rank(libraries: Sequence[str], all_to_all_of: dict[str, str], config: SweepConfig) -> dict:
     """One rank's part, in the process group: its times per library and variant. ``all_to_all_of``: the library
     whose _AllToAll each library's model runs (its own, where it has one)."""
-    if "deepspeed" in all_to_all_of.values() or "deepspeed" in libraries:
+    if "deepspeed" in all_to_all_of.values():
         # DeepSpeed finds no accelerator here and picks its CPU one; this says so, before it is imported.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # Once, for every library, before any is imported.

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+from ..harness.exposure import merge_ranks
 from ..harness.report import print_load
 from ..harness.results import csv_row, git_sha, write_csv
 from ..harness.timing import Summary, summarize
 from . import LIBRARY_NAMES, N_MICROBATCHES, NAME, VARIANTS
-
-
-def _slowest(per_rank: Sequence[dict], variant: str) -> list[float]:
-    """Each repetition's step, the slower rank's (the step waits for it)."""
-    return [max(steps) for steps in zip(*(r["samples"][variant]["step_s"] for r in per_rank), strict=True)]
 
 
 def report(results: list[dict], link: str, out: str, load: Summary | None = None) -> None:
@@ -21,15 +15,16 @@ def report(results: list[dict], link: str, out: str, load: Summary | None = None
     print(f"\n{NAME}: {N_MICROBATCHES} microbatches a step, {link}")
     print(f"{'library':<14} {'variant':<8} {'step ms':>9} {'exposed ms':>11} {'/ own':>6}")
     for library in results[0]:
-        per_rank = [r[library] for r in results]
-        first = per_rank[0]
+        first = results[0][library]
+        # Each repetition's step, the slower rank's (the step waits for it).
+        samples = merge_ranks([[r[library]] for r in results])[0]["samples"]
         comm = summarize([t * 1e3 for t in first["comm_s"]])
         size = f"{first['dense_layers']} dense layers, {link}"
         rows.append(csv_row("comm", library, size, "t_comm_ms", comm, sha))
-        compute = _slowest(per_rank, "compute")
+        compute = samples["compute"]["step_s"]
         exposed = {}
         for variant in VARIANTS:
-            steps = _slowest(per_rank, variant)
+            steps = samples[variant]["step_s"]
             step = summarize([s * 1e3 for s in steps])
             rows.append(csv_row(variant, library, size, "step_ms", step, sha))
             text = ""
